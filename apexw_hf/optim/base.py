@@ -1,0 +1,280 @@
+"""``ApexW``: AdamW (decoupled weight decay) with a choice of compact optimizer-state formats."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .. import reference as ref
+from . import state as st
+
+ENGINES = ("auto", "triton", "torch")
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
+_TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+class ApexW(torch.optim.Optimizer):
+    r"""AdamW with fp32, compact (bf16) or 8-bit optimizer state, and one Triton launch per parameter group.
+
+    The update is that of ``torch.optim.AdamW`` (Loshchilov & Hutter, 2019: decoupled weight decay, bias correction,
+    ``eps`` outside the square root). Only the storage of the moments differs (see :mod:`apexw_hf.optim.state`) and
+    bf16/fp16 parameters receive the update with stochastic rounding. The numerics are specified by
+    :mod:`apexw_hf.reference`; every engine computes the same bits.
+
+    Args:
+        params: parameters or param groups (dicts). A group may override any keyword below except ``seed``.
+        lr: learning rate, a float or a one-element tensor (read once per step).
+        betas: coefficients of the running averages, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: decoupled weight decay, >= 0.
+        state_format: ``"compact"`` (bf16 moments, 4 bytes/param), ``"8bit"`` (block-quantized, about 2.03
+            bytes/param) or ``"fp32"`` (8 bytes/param, exact).
+        maximize: maximize the objective instead of minimizing it.
+        amsgrad: not supported; ``True`` raises ``ValueError``.
+        seed: seed of the counter-based random streams used for stochastic rounding. The same seed gives
+            bit-identical runs; nothing else about the random streams needs saving.
+        param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how the fp32 update is rounded into bf16/fp16
+            parameters (fp32 parameters are not rounded).
+        engine: ``"auto"`` (Triton kernels for CUDA parameters, plain PyTorch otherwise), ``"triton"`` (always the
+            kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch path).
+
+    Example:
+        >>> import torch
+        >>> from apexw_hf import ApexW
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = ApexW(model.parameters(), lr=1e-3, state_format="8bit")
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+        >>> opt.state_bytes()
+        28
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_format: str = "compact",
+        maximize: bool = False,
+        amsgrad: bool = False,
+        seed: int = 0,
+        param_rounding: str = "stochastic",
+        engine: str = "auto",
+    ):
+        if amsgrad:
+            raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        self._param_index: dict[torch.Tensor, int] = {}
+        self._engine = None
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            state_format=state_format,
+            maximize=maximize,
+            param_rounding=param_rounding,
+            engine=engine,
+            seed=seed,
+        )
+        self._check_hparams(defaults)
+        super().__init__(params, defaults)
+
+    # ---- validation ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_hparams(group: dict) -> None:
+        lr = _as_float("lr", group["lr"])
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+        eps = _as_float("eps", group["eps"])
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}: must be >= 0")
+        wd = _as_float("weight_decay", group["weight_decay"])
+        if not wd >= 0.0:
+            raise ValueError(f"invalid weight_decay {wd}: must be >= 0")
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, b in enumerate(betas):
+            b = _as_float(f"betas[{i}]", b)
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"invalid beta{i + 1} {b}: must be in [0, 1)")
+        for key, allowed in (
+            ("state_format", ref.STATE_FORMATS),
+            ("param_rounding", ref.PARAM_ROUNDINGS),
+            ("engine", ENGINES),
+        ):
+            if group[key] not in allowed:
+                raise ValueError(f"unknown {key} {group[key]!r}; allowed: {', '.join(map(repr, allowed))}")
+        if not isinstance(group["maximize"], bool):
+            raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["seed"] != self.defaults["seed"]:
+            raise ValueError("seed is per optimizer, not per param group")
+        self._check_hparams(group)
+        devices = set()
+        for p in group["params"]:
+            if p.is_complex() or not p.is_floating_point():
+                raise TypeError(f"ApexW supports real floating-point parameters only, got a {p.dtype} parameter")
+            if p.dtype not in PARAM_DTYPES:
+                raise TypeError(f"unsupported parameter dtype {p.dtype}; allowed: float32, bfloat16, float16")
+            devices.add(p.device)
+            self._param_index[p] = len(self._param_index)
+        if len(devices) > 1:
+            raise ValueError(
+                f"all parameters of one param group must be on one device, found {sorted(map(str, devices))}; "
+                "put parameters of each device in their own group"
+            )
+
+    # ---- state ---------------------------------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Exact bytes of every tensor held in ``self.state`` (moments, scales, step counters)."""
+        return sum(st.state_tensor_bytes(s) for s in self.state.values())
+
+    def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        state = self.state[p]
+        if not state:
+            state.update(st.init_state(p, group["state_format"]))
+        return state
+
+    # ---- step ----------------------------------------------------------------------------------------------
+
+    def _uses_triton(self, group: dict, params: list[torch.Tensor]) -> bool:
+        engine = group["engine"]
+        if engine == "torch" or not params:
+            return False
+        on_cuda = params[0].is_cuda
+        if engine == "auto":
+            return on_cuda and _triton_available()
+        return True  # "triton": the engine raises a clear error if it cannot run
+
+    def _triton_engine(self):
+        if self._engine is None:
+            from .engine import TritonEngine
+
+            self._engine = TritonEngine(self)
+        return self._engine
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if p.grad.is_sparse:
+                    raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+            if self._uses_triton(group, params):
+                self._triton_engine().step_group(group, params)
+            else:
+                self._step_group_torch(group, params)
+        return loss
+
+    def _step_group_torch(self, group: dict, params: list[torch.Tensor]) -> None:
+        lr = _as_float("lr", group["lr"])
+        beta1, beta2 = (float(b) for b in group["betas"])
+        scalars_by_step: dict[int, ref.StepScalars] = {}
+        for p in params:
+            state = self._init_state(p, group)
+            state["step"] += 1
+            t = int(state["step"].item())
+            if t not in scalars_by_step:
+                scalars_by_step[t] = ref.StepScalars.make(
+                    lr=lr, beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=t
+                )
+            ref.adamw_step_ref_(
+                p,
+                p.grad,
+                state,
+                fmt=group["state_format"],
+                scalars=scalars_by_step[t],
+                seed=group["seed"],
+                tensor_index=self._param_index[p],
+                step=t,
+                maximize=group["maximize"],
+                param_rounding=group["param_rounding"],
+            )
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ApexW (any format) or of ``torch.optim.AdamW``, keeping every dtype.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating state to the parameter dtype, which would turn bf16
+        moments and 8-bit scales into fp32 (or fp32 moments of bf16 parameters into bf16). Here each tensor keeps its
+        saved dtype and moves to its parameter's device; moments stored in another format than the group's
+        ``state_format`` (a torch AdamW checkpoint, or a changed format) are converted.
+        """
+        groups = state_dict["param_groups"]
+        saved_counts = [len(g["params"]) for g in groups]
+        our_counts = [len(g["params"]) for g in self.param_groups]
+        if saved_counts != our_counts:
+            raise ValueError(
+                f"the state dict has param groups of sizes {saved_counts} but this optimizer has {our_counts}; "
+                "it was saved from a different model or parameter grouping"
+            )
+        for g in groups:
+            if g.get("amsgrad"):
+                raise ValueError("cannot load a state dict with amsgrad=True: ApexW has no max_exp_avg_sq")
+        # Convert everything before changing anything, so a bad state dict leaves this optimizer as it was.
+        converted = {}
+        for saved, ours in zip(groups, self.param_groups):
+            fmt = saved.get("state_format", self.defaults["state_format"])
+            seed = saved.get("seed", self.defaults["seed"])
+            for pid, p in zip(saved["params"], ours["params"]):
+                if pid in state_dict["state"]:
+                    entry = st.convert_state(
+                        state_dict["state"][pid], p, fmt, seed=seed, tensor_index=self._param_index[p]
+                    )
+                    if entry:
+                        converted[p] = entry
+        super().load_state_dict({"state": {}, "param_groups": groups})
+        for group in self.param_groups:
+            for key in _TORCH_ONLY_KEYS:
+                group.pop(key, None)
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            self._check_hparams(group)
+        self.state.update(converted)
+        if self._engine is not None:
+            self._engine.invalidate()
+
+
+_TRITON_OK: bool | None = None
+
+
+def _triton_available() -> bool:
+    global _TRITON_OK
+    if _TRITON_OK is None:
+        try:
+            import triton  # noqa: F401
+
+            _TRITON_OK = True
+        except ImportError:
+            _TRITON_OK = False
+    return _TRITON_OK

@@ -1,0 +1,25 @@
+"""``ApexW8bit``: AdamW with block-quantized 8-bit moments (about 2.03 bytes of state per parameter)."""
+
+from __future__ import annotations
+
+from .base import ApexW
+
+
+class ApexW8bit(ApexW):
+    """:class:`~apexw_hf.ApexW` with ``state_format="8bit"``.
+
+    Each moment is one byte per element plus one bf16 scale per block of 256 elements: ``m`` as an int8 code with
+    square-root companding, ``v`` as a uint8 code with fourth-root companding (wide dynamic range), both chosen by
+    unbiased stochastic rounding. Zero is stored exactly and a nonzero ``v`` is never stored as zero. Block-wise
+    quantization of Adam states follows Dettmers et al. (2022), "8-bit Optimizers via Block-wise Quantization";
+    the companding and the unbiased rounding are this project's format (see :mod:`apexw_hf.reference`).
+
+    Example:
+        >>> import torch
+        >>> from apexw_hf import ApexW8bit
+        >>> opt = ApexW8bit(torch.nn.Linear(8, 8).parameters(), lr=2e-4)
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, **kwargs):
+        kwargs.setdefault("state_format", "8bit")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,111 @@
+"""State layouts of the three formats: allocation, byte accounting, and conversion between formats.
+
+Per parameter ``p``, ``optimizer.state[p]`` holds ``step`` (a 0-dim fp32 CPU tensor, as in ``torch.optim.AdamW``)
+and the moments:
+
+=========  ===========================  ==============================================================
+format     tensors                      bytes per parameter
+=========  ===========================  ==============================================================
+fp32       exp_avg, exp_avg_sq: fp32    8
+compact    exp_avg, exp_avg_sq: bf16    4
+8bit       exp_avg: int8 codes,         2, plus 2 * 2 bytes of bf16 scales per block of
+           exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements
+           exp_avg_scale,
+           exp_avg_sq_scale: bf16
+=========  ===========================  ==============================================================
+
+The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import reference as ref
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+
+
+def init_state(p: torch.Tensor, fmt: str) -> dict:
+    """Fresh zero state for parameter ``p`` in format ``fmt``."""
+    state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+    kw = {"device": p.device, "memory_format": torch.contiguous_format}
+    if fmt == "fp32":
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, **kw)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, **kw)
+    elif fmt == "compact":
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, **kw)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, **kw)
+    elif fmt == "8bit":
+        nb = ref.num_blocks(p.numel())
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8, **kw)
+        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
+        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
+        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
+    else:
+        raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
+    return state
+
+
+def state_format_of(state: dict) -> str | None:
+    """The format a state dict entry is stored in (``None`` for an empty entry); any float moments count as fp32."""
+    if "exp_avg" not in state:
+        return None
+    if "exp_avg_scale" in state:
+        return "8bit"
+    if state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16:
+        return "compact"
+    return "fp32"
+
+
+def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
+    """Raise ``ValueError`` unless ``state`` has exactly the shapes and dtypes of format ``fmt`` for ``p``."""
+    want = init_state(p.detach().to("meta"), fmt)
+    for key, w in want.items():
+        if key == "step":
+            continue
+        got = state.get(key)
+        if not isinstance(got, torch.Tensor) or got.dtype != w.dtype or got.shape != w.shape:
+            desc = "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
+            raise ValueError(
+                f"optimizer state '{key}' for a parameter of shape {tuple(p.shape)} is {desc}; "
+                f"format {fmt!r} needs {w.dtype} {tuple(w.shape)}"
+            )
+
+
+def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_index: int) -> dict:
+    """Return ``state`` in format ``fmt`` on ``p``'s device, converting moments from whatever format they are in.
+
+    Same-format tensors are only moved (bit-exact). Moments from another format (for example fp32 moments of a
+    ``torch.optim.AdamW`` state dict) are decoded to fp32 and re-encoded with the random streams of the current step,
+    so the conversion is deterministic.
+    """
+    step = state.get("step", torch.tensor(0.0))
+    step = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().to("cpu", torch.float32)
+    src = state_format_of(state)
+    if src is None:
+        return {}
+    if src == fmt:
+        out = {k: v.to(p.device) for k, v in state.items() if k in MOMENT_KEYS + SCALE_KEYS}
+        check_state(out, p, fmt)
+        out["step"] = step.clone()
+        return out
+    m, v = ref.load_moments(state, src, p.shape)
+    out = init_state(p, fmt)
+    out["step"] = step.clone()
+    t = int(step.item())
+    ref.store_moments(
+        out,
+        fmt,
+        m.to(p.device, torch.float32),
+        v.to(p.device, torch.float32),
+        ref.stream_key(seed, tensor_index, t, ref.STREAM_M),
+        ref.stream_key(seed, tensor_index, t, ref.STREAM_V),
+    )
+    return out
+
+
+def state_tensor_bytes(state: dict) -> int:
+    """Bytes of every tensor in a parameter's state entry."""
+    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))

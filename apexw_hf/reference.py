@@ -1,0 +1,409 @@
+"""Plain-PyTorch reference of every ApexW numeric: the AdamW update, bf16/fp16 rounding, 8-bit block quantization.
+
+This module is the specification. The Triton kernels (``apexw_hf.kernels``) compute exactly the same bits, and the
+tests compare the two with ``torch.equal``. It is also the path ApexW takes on the CPU, so it ships with the package.
+
+To be bit-reproducible across CPU, CUDA and the Triton interpreter, the math uses only operations that IEEE 754
+rounds exactly once (``+ - * /`` and ``sqrt`` on fp32, never fused multiply-add), hyperparameters are rounded to
+fp32 once on the host (:class:`StepScalars`), and all randomness comes from a counter-based hash of
+(seed, tensor index, step, stream, element index): no generator state to save, and the same seed gives the same run.
+
+Update, per element, in fp32 (``g`` negated when ``maximize``)::
+
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + (g * g) * (1 - beta2)
+    p = p * (1 - lr * wd) - (m / (sqrt(v) * (1 / sqrt(1 - beta2**t)) + eps)) * (lr / (1 - beta1**t))
+
+State formats (the moments ``m`` and ``v`` as stored between steps):
+
+* ``fp32``: exact.
+* ``compact``: bf16, written with stochastic rounding (16 random bits added below the bf16 mantissa, then
+  truncated), so ``v`` keeps decaying at ``beta2 = 0.999``, where round-to-nearest would freeze it.
+* ``8bit``: blocks of :data:`BLOCK` elements along the flattened tensor, one bf16 scale per block and moment (the
+  block's absolute maximum rounded up to bf16). ``m`` is an int8 code ``c`` in [-127, 127] decoding to
+  ``sign(c) * (|c|/127)**2 * scale``; ``v`` is a uint8 code in [0, 255] decoding to ``(c/255)**4 * scale``. Codes are
+  chosen by stochastic rounding between the two neighbouring decoded values with probabilities that make the
+  decoded value unbiased. Zero encodes to code 0 exactly, and a nonzero ``v`` never encodes to 0 (it would turn the
+  next update into ``m / eps``).
+
+Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
+switches to round-to-nearest-even).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "STATE_FORMATS",
+    "PARAM_ROUNDINGS",
+    "StepScalars",
+    "stream_key",
+    "hash_uniform_bits",
+    "sqrt_rn",
+    "round_to_bf16_stochastic",
+    "round_to_fp16_stochastic",
+    "round_param",
+    "bf16_round_up",
+    "quantize_m",
+    "dequantize_m",
+    "quantize_v",
+    "dequantize_v",
+    "num_blocks",
+    "load_moments",
+    "store_moments",
+    "adamw_step_ref_",
+]
+
+BLOCK = 256
+STATE_FORMATS = ("fp32", "compact", "8bit")
+PARAM_ROUNDINGS = ("stochastic", "nearest")
+
+MASK32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B1
+MIX1 = 0x85EBCA6B
+MIX2 = 0xC2B2AE35
+STREAM_M, STREAM_V, STREAM_P = 1, 2, 3
+
+# fp32 constants shared with the kernels; written as float32-exact Python floats.
+INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
+INV255 = torch.tensor(1.0 / 255.0, dtype=torch.float32).item()
+TWO_POW_M24 = 2.0**-24
+
+
+def _f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value (kept as a Python float, exactly representable in fp32)."""
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """Per-tensor step constants, each rounded to fp32 once on the host. The kernels receive these same values.
+
+    Attributes:
+        beta1, beta2, one_minus_beta1, one_minus_beta2: moment coefficients.
+        decay: ``1 - lr * weight_decay`` (decoupled weight decay).
+        step_size: ``lr / (1 - beta1**step)``.
+        inv_bc2_sqrt: ``1 / sqrt(1 - beta2**step)``.
+        eps: added outside the square root.
+    """
+
+    beta1: float
+    beta2: float
+    one_minus_beta1: float
+    one_minus_beta2: float
+    decay: float
+    step_size: float
+    inv_bc2_sqrt: float
+    eps: float
+
+    @classmethod
+    def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
+        bc1 = 1.0 - beta1**step
+        bc2 = 1.0 - beta2**step
+        return cls(
+            beta1=_f32(beta1),
+            beta2=_f32(beta2),
+            one_minus_beta1=_f32(1.0 - beta1),
+            one_minus_beta2=_f32(1.0 - beta2),
+            decay=_f32(1.0 - lr * weight_decay),
+            step_size=_f32(lr / bc1),
+            inv_bc2_sqrt=_f32(1.0 / math.sqrt(bc2)),
+            eps=_f32(eps),
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Counter-based random bits
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _mix32(x: int) -> int:
+    """murmur3's 32-bit finalizer on a Python int (a bijection of [0, 2**32))."""
+    x &= MASK32
+    x ^= x >> 16
+    x = (x * MIX1) & MASK32
+    x ^= x >> 13
+    x = (x * MIX2) & MASK32
+    x ^= x >> 16
+    return x
+
+
+def stream_key(seed: int, tensor_index: int, step: int, stream: int) -> int:
+    """The 32-bit key of one random stream: one tensor, one step, one use (m, v or the parameter)."""
+    k = _mix32(seed + GOLDEN * (tensor_index + 1))
+    k = _mix32(k ^ _mix32(step))
+    return _mix32(k + stream * 0x632BE5AB)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x * c mod 2**32`` for int64 tensors holding values in [0, 2**32), without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def _mix32_t(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX1)
+    x = x ^ (x >> 13)
+    x = _mul32(x, MIX2)
+    return x ^ (x >> 16)
+
+
+def hash_uniform_bits(numel: int, key: int, device) -> torch.Tensor:
+    """32 random bits per element (int64 tensor in [0, 2**32)): ``mix32(index * GOLDEN + key)``."""
+    idx = torch.arange(numel, device=device, dtype=torch.int64) & MASK32
+    return _mix32_t((_mul32(idx, GOLDEN) + key) & MASK32)
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """Uniform fp32 in [0, 1) from the top 24 of 32 random bits (exact in fp32)."""
+    return (bits >> 8).to(torch.float32) * TWO_POW_M24
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root (IEEE ``sqrt``), on every device.
+
+    ``torch.sqrt`` on the CPU is vectorized with a SLEEF routine that is up to 1 ulp off (about 19% of random fp32
+    inputs differ from IEEE ``sqrt`` with torch 2.13, in fp64 too), while CUDA's and Triton's ``sqrt_rn`` are exact.
+    So take ``torch.sqrt`` and fix it up: ``r`` is the rounded root iff ``x`` lies between the squares of the
+    midpoints to its neighbours; those midpoints have 25 significant bits, so their squares are exact in fp64.
+    """
+    r = torch.sqrt(x)
+    fix = (x > 0) & (r < float("inf"))
+    up = torch.nextafter(r, torch.full_like(r, float("inf")))
+    dn = torch.nextafter(r, torch.zeros_like(r))
+    xd, rd = x.double(), r.double()
+    hi = (rd + up.double()) * 0.5
+    lo = (rd + dn.double()) * 0.5
+    r = torch.where(fix & (xd > hi * hi), up, r)
+    return torch.where(fix & (xd < lo * lo), dn, r)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Rounding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _drop_low_bits(x: torch.Tensor, rand: torch.Tensor, drop: torch.Tensor | int) -> torch.Tensor:
+    """Add ``rand`` (already < 2**drop) to the fp32 bit pattern of ``x`` and clear the low ``drop`` bits.
+
+    On the magnitude this is stochastic rounding to a grid with ``23 - drop`` mantissa bits; NaN passes through.
+    """
+    bits = x.view(torch.int32).to(torch.int64)
+    mask = (1 << drop) - 1 if isinstance(drop, int) else (torch.ones_like(drop) << drop) - 1
+    out = ((bits + rand) & ~mask).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def round_to_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 with stochastic rounding, using the top 16 of 32 random ``bits`` per element."""
+    return _drop_low_bits(x, bits >> 16, 16).to(torch.bfloat16)
+
+
+def round_to_fp16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """fp32 -> fp16 with stochastic rounding.
+
+    fp16 keeps 10 mantissa bits for normal values (|x| >= 2**-14) and fewer below, so 13 fp32 bits are dropped,
+    plus one per binade below 2**-14, at most 23. Values under fp16's smallest subnormal then round to nearest in
+    the final conversion; values past 65504 overflow to inf as in any fp16 conversion.
+    """
+    exp = ((x.view(torch.int32).to(torch.int64) >> 23) & 0xFF) - 127
+    drop = 13 + torch.clamp(-14 - exp, 0, 10)
+    rand = (bits >> 9) & ((torch.ones_like(drop) << drop) - 1)
+    return _drop_low_bits(x, rand, drop).to(torch.float16)
+
+
+def round_param(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor | None) -> torch.Tensor:
+    """Round the fp32 update result to the parameter dtype (stochastically when ``bits`` is given)."""
+    if dtype == torch.float32:
+        return x
+    if bits is None:
+        return x.to(dtype)
+    if dtype == torch.bfloat16:
+        return round_to_bf16_stochastic(x, bits)
+    if dtype == torch.float16:
+        return round_to_fp16_stochastic(x, bits)
+    raise TypeError(f"unsupported parameter dtype {dtype}; allowed: float32, bfloat16, float16")
+
+
+def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
+    """Round non-negative fp32 values up to the next bf16 value (exact bf16 values stay); returns bf16."""
+    bits = x.view(torch.int32).to(torch.int64)
+    up = ((bits + 0xFFFF) & ~0xFFFF).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(x), x, up).to(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8-bit block quantization
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def num_blocks(numel: int) -> int:
+    return (numel + BLOCK - 1) // BLOCK
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    """Flattened fp32 values padded with zeros to whole blocks: shape (num_blocks, BLOCK)."""
+    flat = x.reshape(-1)
+    pad = num_blocks(flat.numel()) * BLOCK - flat.numel()
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.view(-1, BLOCK)
+
+
+def _scale(x_abs_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block scale (bf16, absmax rounded up) and its fp32 reciprocal (0 where the scale is 0)."""
+    scale = bf16_round_up(x_abs_blocks.amax(dim=1))
+    s32 = scale.float()
+    inv = torch.where(s32 == 0, torch.zeros_like(s32), 1.0 / s32)
+    return scale, inv
+
+
+def _normalized(x_abs_blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    y = torch.clamp(x_abs_blocks * inv[:, None], max=1.0)
+    return torch.where(torch.isnan(y), torch.zeros_like(y), y)
+
+
+def _q2(c: torch.Tensor) -> torch.Tensor:
+    t = c * INV127
+    return t * t
+
+
+def _q4(c: torch.Tensor) -> torch.Tensor:
+    t = c * INV255
+    t2 = t * t
+    return t2 * t2
+
+
+def _stochastic_code(y: torch.Tensor, lo: torch.Tensor, q, u: torch.Tensor) -> torch.Tensor:
+    """Pick lo or lo+1 so that the decoded value is y on average."""
+    qlo = q(lo)
+    qhi = q(lo + 1.0)
+    return lo + ((u * (qhi - qlo)) < (y - qlo)).to(torch.float32)
+
+
+def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 first moment -> (int8 codes shaped like ``m``, bf16 scales of shape (num_blocks,))."""
+    n = m.numel()
+    mb = _blocks(m)
+    a = mb.abs()
+    scale, inv = _scale(a)
+    y = _normalized(a, inv)
+    lo = torch.clamp(torch.floor(sqrt_rn(y) * 127.0), 0.0, 126.0)
+    c = _stochastic_code(y, lo, _q2, _uniform(_blocks(bits)))
+    c = torch.where(mb < 0, -c, c)
+    return c.reshape(-1)[:n].to(torch.int8).view(m.shape), scale
+
+
+def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    c = _blocks(codes.to(torch.float32))
+    m = _q2(c.abs()) * scale.float()[:, None]
+    m = torch.where(c < 0, -m, m)
+    return m.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+def quantize_v(v: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 second moment (>= 0) -> (uint8 codes shaped like ``v``, bf16 scales of shape (num_blocks,))."""
+    n = v.numel()
+    vb = _blocks(v)
+    scale, inv = _scale(vb)
+    y = _normalized(vb, inv)
+    lo = torch.clamp(torch.floor(sqrt_rn(sqrt_rn(y)) * 255.0), 0.0, 254.0)
+    c = _stochastic_code(y, lo, _q4, _uniform(_blocks(bits)))
+    c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
+    return c.reshape(-1)[:n].to(torch.uint8).view(v.shape), scale
+
+
+def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    c = _blocks(codes.to(torch.float32))
+    v = _q4(c) * scale.float()[:, None]
+    return v.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One AdamW step on one tensor
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode the stored moments of format ``fmt`` to fp32 tensors of ``shape``."""
+    if fmt == "8bit":
+        m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
+        v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+        return m.view(shape), v.view(shape)
+    return state["exp_avg"].float(), state["exp_avg_sq"].float()
+
+
+def store_moments(state: dict, fmt: str, m, v, key_m: int, key_v: int) -> None:
+    """Encode fp32 moments into the (preallocated) state tensors of format ``fmt``, in place."""
+    if fmt == "fp32":
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        return
+    n, dev = m.numel(), m.device
+    bits_m = hash_uniform_bits(n, key_m, dev).view(m.shape)
+    bits_v = hash_uniform_bits(n, key_v, dev).view(m.shape)
+    if fmt == "compact":
+        state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits_m))
+        state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, bits_v))
+        return
+    cm, sm = quantize_m(m, bits_m)
+    cv, sv = quantize_v(v, bits_v)
+    state["exp_avg"].copy_(cm)
+    state["exp_avg_scale"].copy_(sm)
+    state["exp_avg_sq"].copy_(cv)
+    state["exp_avg_sq_scale"].copy_(sv)
+
+
+def adamw_step_ref_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    *,
+    fmt: str,
+    scalars: StepScalars,
+    seed: int,
+    tensor_index: int,
+    step: int,
+    maximize: bool = False,
+    param_rounding: str = "stochastic",
+) -> None:
+    """Apply one AdamW step to ``param`` in place and update its ``state`` (the format's tensors) in place.
+
+    Args:
+        param: the parameter (fp32, bf16 or fp16), updated in place.
+        grad: its gradient, same shape; any float dtype.
+        state: the moment tensors of format ``fmt`` (see :mod:`apexw_hf.optim.state`).
+        fmt: one of :data:`STATE_FORMATS`.
+        scalars: the step's fp32-rounded constants.
+        seed, tensor_index, step: select the random streams for stochastic rounding.
+        maximize: ascend instead of descend.
+        param_rounding: ``"stochastic"`` or ``"nearest"`` for bf16/fp16 parameters.
+    """
+    s = scalars
+    g = grad.float()
+    if maximize:
+        g = -g
+    m, v = load_moments(state, fmt, param.shape)
+    m = m * s.beta1 + g * s.one_minus_beta1
+    v = v * s.beta2 + (g * g) * s.one_minus_beta2
+    denom = sqrt_rn(v) * s.inv_bc2_sqrt + s.eps
+    p = param.float() * s.decay - (m / denom) * s.step_size
+    bits_p = None
+    if param.dtype != torch.float32 and param_rounding == "stochastic":
+        bits_p = hash_uniform_bits(p.numel(), stream_key(seed, tensor_index, step, STREAM_P), p.device).view(p.shape)
+    param.copy_(round_param(p, param.dtype, bits_p))
+    store_moments(
+        state,
+        fmt,
+        m,
+        v,
+        stream_key(seed, tensor_index, step, STREAM_M),
+        stream_key(seed, tensor_index, step, STREAM_V),
+    )

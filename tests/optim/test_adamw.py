@@ -1,0 +1,148 @@
+"""ApexW against torch.optim.AdamW: semantics, formats, shapes, groups, dtypes."""
+
+import pytest
+import torch
+
+from apexw_hf import ApexW, ApexW8bit, ApexWCompact
+
+from .helpers import FORMATS, SHAPES, make_grads, relative_deviation, run_steps
+
+# Trajectory deviation from torch.optim.AdamW (fp32) after 60 steps, relative to the distance travelled.
+# fp32: both sides round every op to fp32, they only differ in operation order (measured ~1.5e-6).
+# compact: each step writes m and v with stochastic rounding to bf16 (relative error <= 2**-8 = 0.39% per write,
+# unbiased); measured ~0.6%; bound 2%, five bf16 ulps.
+# 8bit: codes have 127/255 levels per block (relative code step near the block max ~1.6%), unbiased rounding;
+# measured ~2.3%; bound 6%.
+TOLERANCE = {"fp32": 1e-5, "compact": 0.02, "8bit": 0.06}
+
+
+def _pair(shape, fmt, steps=60, seed=0, **kw):
+    p0 = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 100))
+    a, b = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    grads = make_grads(shape, steps, seed)
+    run_steps(ApexW([a], state_format=fmt, engine="torch", **kw), [a], [grads])
+    kw.pop("seed", None)
+    run_steps(torch.optim.AdamW([b], **kw), [b], [grads])
+    return a.detach(), b.detach(), p0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_torch_adamw(fmt, shape):
+    a, b, p0 = _pair(shape, fmt, lr=1e-2, weight_decay=0.1)
+    assert relative_deviation(a, b, p0) < TOLERANCE[fmt]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_hyperparameters_maximize_and_tensor_lr(fmt):
+    kw = dict(lr=torch.tensor(3e-3), betas=(0.8, 0.99), eps=1e-6, weight_decay=0.5, maximize=True)
+    a, b, p0 = _pair((40, 50), fmt, **kw)
+    assert relative_deviation(a, b, p0) < TOLERANCE[fmt]
+
+
+def test_param_groups_and_lr_schedule():
+    shapes = [(30, 20), (20,)]
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    groups = lambda xs: [{"params": [xs[0]], "lr": 1e-2, "weight_decay": 0.1}, {"params": [xs[1]], "lr": 3e-3}]
+    opt = ApexW(groups(ps), weight_decay=0.0, state_format="fp32")
+    ref = torch.optim.AdamW(groups(qs), weight_decay=0.0)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: 1.0 / (1 + t)) for o in (opt, ref)]
+    for grads in zip(make_grads(shapes[0], 30, 1), make_grads(shapes[1], 30, 2)):
+        for xs, o in ((ps, opt), (qs, ref)):
+            for x, g in zip(xs, grads):
+                x.grad = g.clone()
+            o.step()
+        for s in scheds:
+            s.step()
+    for p, q in zip(ps, qs):
+        assert (p - q).abs().max() < 1e-6
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+
+
+def test_closure_returns_loss_and_is_evaluated_with_grad():
+    w = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+    opt = ApexW([w], lr=0.1)
+
+    def closure():
+        opt.zero_grad()
+        loss = (w**2).sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.item() == 5.0
+    assert (w.abs() < torch.tensor([1.0, 2.0])).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frozen_and_gradless_params_untouched(fmt):
+    frozen = torch.nn.Parameter(torch.randn(10), requires_grad=False)
+    idle = torch.nn.Parameter(torch.randn(10))
+    live = torch.nn.Parameter(torch.randn(10))
+    before = (frozen.detach().clone(), idle.detach().clone())
+    opt = ApexW([frozen, idle, live], weight_decay=0.1, state_format=fmt)
+    live.grad = torch.randn(10)
+    opt.step()
+    assert torch.equal(frozen, before[0]) and torch.equal(idle, before[1])
+    assert frozen not in opt.state and idle not in opt.state
+    assert opt.state[live]["step"].item() == 1
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_param_that_skips_steps_keeps_its_own_step_count(fmt):
+    a, b = torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(5))
+    opt = ApexW([a, b], state_format=fmt)
+    for i in range(4):
+        a.grad = torch.randn(5)
+        b.grad = torch.randn(5) if i % 2 else None
+        opt.step()
+    assert opt.state[a]["step"].item() == 4 and opt.state[b]["step"].item() == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params(fmt, dtype):
+    """bf16/fp16 params with stochastic rounding track an fp32 AdamW run; nearest rounding stalls on small updates."""
+    p0 = torch.randn(64, 64).to(dtype).float()
+    drift = torch.randn(64, 64, generator=torch.Generator().manual_seed(6))
+    grads = [drift + 0.5 * g for g in make_grads((64, 64), 200, 5)]
+    ref = torch.nn.Parameter(p0.clone())
+    run_steps(torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0), [ref], [grads])
+    dev = {}
+    for rounding in ("stochastic", "nearest"):
+        p = torch.nn.Parameter(p0.clone().to(dtype))
+        opt = ApexW([p], lr=1e-3, weight_decay=0.0, state_format=fmt, param_rounding=rounding)
+        run_steps(opt, [p], [[g.to(dtype) for g in grads]])
+        assert p.dtype == dtype
+        dev[rounding] = relative_deviation(p.detach().float(), ref.detach(), p0)
+    # rounding noise of a random walk of 200 roundings at ~1/4 ulp per update: about 0.1 of the distance travelled
+    assert dev["stochastic"] < 0.25
+    assert dev["stochastic"] < dev["nearest"]
+
+
+def test_same_seed_identical_other_seed_differs():
+    def run(seed):
+        p = torch.nn.Parameter(torch.ones(300))
+        run_steps(ApexW([p], state_format="8bit", seed=seed), [p], [make_grads((300,), 5)])
+        return p.detach()
+
+    assert torch.equal(run(7), run(7))
+    assert not torch.equal(run(7), run(8))
+
+
+def test_subclasses_set_format_and_defaults():
+    p = torch.nn.Parameter(torch.randn(3))
+    assert ApexWCompact([p]).defaults["state_format"] == "compact"
+    assert ApexW8bit([p]).defaults["state_format"] == "8bit"
+    assert ApexW8bit([p], lr=5e-5).defaults["lr"] == 5e-5
+
+
+def test_group_format_override():
+    emb, lin = torch.nn.Parameter(torch.randn(100, 8)), torch.nn.Parameter(torch.randn(8, 8))
+    opt = ApexW8bit([{"params": [emb], "state_format": "fp32"}, {"params": [lin]}])
+    emb.grad, lin.grad = torch.randn(100, 8), torch.randn(8, 8)
+    opt.step()
+    assert opt.state[emb]["exp_avg"].dtype == torch.float32
+    assert opt.state[lin]["exp_avg"].dtype == torch.int8
+    assert opt.state_bytes() == 100 * 8 * 8 + 4 + 64 * 2 + 2 * 2 + 4

@@ -1,0 +1,78 @@
+"""Bad input gets an error that names the problem."""
+
+import pytest
+import torch
+
+from apexw_hf import ApexW
+
+
+def P(*shape, **kw):
+    return torch.nn.Parameter(torch.randn(*shape, **kw))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(lr=-1e-3), ValueError, "learning rate -0.001: must be >= 0"),
+        (dict(lr=torch.tensor([1e-3, 2e-3])), ValueError, "lr must be a number or a one-element tensor"),
+        (dict(lr="0.1"), TypeError, "lr must be a number, got str"),
+        (dict(eps=-1e-8), ValueError, "invalid eps"),
+        (dict(weight_decay=-0.1), ValueError, "invalid weight_decay"),
+        (dict(betas=(1.0, 0.999)), ValueError, r"invalid beta1 1.0: must be in \[0, 1\)"),
+        (dict(betas=(0.9, -0.1)), ValueError, "invalid beta2"),
+        (dict(betas=(0.9,)), ValueError, "betas must be a pair"),
+        (dict(state_format="4bit"), ValueError, "unknown state_format '4bit'; allowed: 'fp32', 'compact', '8bit'"),
+        (dict(param_rounding="up"), ValueError, "unknown param_rounding 'up'"),
+        (dict(engine="cuda"), ValueError, "unknown engine 'cuda'; allowed: 'auto', 'triton', 'torch'"),
+        (dict(amsgrad=True), ValueError, "amsgrad=True is not supported"),
+        (dict(seed=-1), ValueError, "seed must be an int"),
+        (dict(maximize="yes"), TypeError, "maximize must be a bool"),
+    ],
+)
+def test_bad_hyperparameters(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        ApexW([P(3)], **kwargs)
+
+
+def test_bad_group_override():
+    with pytest.raises(ValueError, match="unknown state_format 'int8'"):
+        ApexW([{"params": [P(3)], "state_format": "int8"}])
+    with pytest.raises(ValueError, match="invalid learning rate"):
+        ApexW([{"params": [P(3)], "lr": -1.0}])
+    with pytest.raises(ValueError, match="seed is per optimizer"):
+        ApexW([{"params": [P(3)], "seed": 3}])
+
+
+def test_unknown_keyword_is_rejected():
+    with pytest.raises(TypeError, match="fused"):
+        ApexW([P(3)], fused=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.float64])
+def test_unsupported_param_dtypes(dtype):
+    with pytest.raises(TypeError, match=str(dtype).replace("torch.", "")):
+        ApexW([torch.nn.Parameter(torch.zeros(3, dtype=dtype))])
+
+
+def test_integer_params():
+    with pytest.raises(TypeError, match="real floating-point parameters only, got a torch.int64"):
+        ApexW([torch.zeros(3, dtype=torch.int64)])
+
+
+def test_param_in_two_groups():
+    p = P(3)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        ApexW([{"params": [p]}, {"params": [p]}])
+
+
+def test_params_on_two_devices_in_one_group():
+    with pytest.raises(ValueError, match="one device"):
+        ApexW([P(3), torch.nn.Parameter(torch.zeros(3, device="meta"))])
+
+
+def test_sparse_gradient():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = ApexW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
