@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import reference as ref
+from . import dtensor as dt
 from . import state as st
 
 ENGINES = ("auto", "triton", "torch")
@@ -208,9 +209,9 @@ class ApexW(torch.optim.Optimizer):
                     lr=lr, beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=t
                 )
             ref.adamw_step_ref_(
-                p,
-                p.grad,
-                state,
+                dt.local(p),
+                dt.local(p.grad),
+                dt.local_view(state, p) if dt.is_dtensor(p) else state,
                 fmt=group["state_format"],
                 scalars=scalars_by_step[t],
                 seed=group["seed"],

@@ -22,13 +22,16 @@ from __future__ import annotations
 import torch
 
 from .. import reference as ref
+from . import dtensor as dt
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 
 
 def init_state(p: torch.Tensor, fmt: str) -> dict:
-    """Fresh zero state for parameter ``p`` in format ``fmt``."""
+    """Fresh zero state for parameter ``p`` in format ``fmt`` (``DTensor`` state for a ``DTensor`` parameter)."""
+    if dt.is_dtensor(p):
+        return dt.wrap_state(init_state(p.to_local(), fmt), p)
     state = {"step": torch.tensor(0.0, dtype=torch.float32)}
     kw = {"device": p.device, "memory_format": torch.contiguous_format}
     if fmt == "fp32":
@@ -59,18 +62,31 @@ def state_format_of(state: dict) -> str | None:
     return "fp32"
 
 
+def _layout(p: torch.Tensor, fmt: str) -> dict:
+    """(dtype, global shape) of each state tensor of format ``fmt`` for ``p``."""
+    dtypes = {"fp32": (torch.float32,) * 2, "compact": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}
+    out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in dtypes[fmt])))
+    if fmt == "8bit":
+        nb = dt.max_local_blocks(p) * dt.shard_count(p) if dt.is_dtensor(p) else ref.num_blocks(p.numel())
+        out.update({k: (torch.bfloat16, torch.Size([nb])) for k in SCALE_KEYS})
+    return out
+
+
 def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
     """Raise ``ValueError`` unless ``state`` has exactly the shapes and dtypes of format ``fmt`` for ``p``."""
-    want = init_state(p.detach().to("meta"), fmt)
-    for key, w in want.items():
-        if key == "step":
-            continue
+    for key, (dtype, shape) in _layout(p, fmt).items():
         got = state.get(key)
-        if not isinstance(got, torch.Tensor) or got.dtype != w.dtype or got.shape != w.shape:
+        if isinstance(got, torch.Tensor) and dt.is_dtensor(p) != dt.is_dtensor(got):
+            raise ValueError(
+                f"optimizer state '{key}' is a {type(got).__name__} but its parameter is a {type(p).__name__}: "
+                "load sharded (FSDP2) optimizer state with torch.distributed.checkpoint.state_dict."
+                "set_optimizer_state_dict, which shards full tensors first"
+            )
+        if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.shape != shape:
             desc = "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
             raise ValueError(
                 f"optimizer state '{key}' for a parameter of shape {tuple(p.shape)} is {desc}; "
-                f"format {fmt!r} needs {w.dtype} {tuple(w.shape)}"
+                f"format {fmt!r} needs {dtype} {tuple(shape)}"
             )
 
 
@@ -89,17 +105,26 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
     if src == fmt:
         out = {k: v.to(p.device) for k, v in state.items() if k in MOMENT_KEYS + SCALE_KEYS}
         check_state(out, p, fmt)
+        if dt.is_dtensor(p) and fmt == "8bit":
+            dt.check_block_shards(state, p)
+            out["block_shards"] = state["block_shards"]
         out["step"] = step.clone()
         return out
-    m, v = ref.load_moments(state, src, p.shape)
+    if dt.is_dtensor(p):
+        check_state({k: state[k] for k in MOMENT_KEYS}, p, "fp32" if src != "8bit" else src)
+        if src == "8bit":
+            dt.check_block_shards(state, p)
+        state = dt.local_view(state, p)
+    local_p = dt.local(p)
+    m, v = ref.load_moments(state, src, local_p.shape)
     out = init_state(p, fmt)
     out["step"] = step.clone()
     t = int(step.item())
     ref.store_moments(
-        out,
+        dt.local_view(out, p) if dt.is_dtensor(p) else out,
         fmt,
-        m.to(p.device, torch.float32),
-        v.to(p.device, torch.float32),
+        m.to(local_p.device, torch.float32),
+        v.to(local_p.device, torch.float32),
         ref.stream_key(seed, tensor_index, t, ref.STREAM_M),
         ref.stream_key(seed, tensor_index, t, ref.STREAM_V),
     )
@@ -107,5 +132,5 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
 
 
 def state_tensor_bytes(state: dict) -> int:
-    """Bytes of every tensor in a parameter's state entry."""
-    return sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    """Bytes of every tensor in a parameter's state entry (on this rank, for sharded state)."""
+    return sum(dt.local(v).numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))

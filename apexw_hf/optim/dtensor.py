@@ -1,0 +1,98 @@
+"""Sharded parameters (FSDP2 ``DTensor``): the step runs on each rank's local shard, state lives per local shard.
+
+The moments of a ``DTensor`` parameter are ``DTensor``s with the parameter's mesh and placements, so
+``torch.distributed.checkpoint`` saves, loads and reshards them like the parameter itself. The 8-bit scales belong to
+blocks of the *local* shard, so they cannot be resharded: each rank's scales are padded to the largest local block
+count and exposed as a ``DTensor`` sharded on dim 0 (the layout ``torch.distributed.checkpoint`` expects), and the
+state records how many shards the blocks were cut for (``block_shards``). Loading 8-bit state for another number of
+shards raises a clear error; fp32 and compact state reshard freely.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import reference as ref
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # torch built without distributed support
+    DTensor = None
+
+
+def is_dtensor(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def shard_count(p) -> int:
+    """How many pieces the parameter is cut into (the product of the mesh sizes of its sharded mesh dims)."""
+    mesh = p.device_mesh
+    return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
+
+
+def max_local_blocks(p) -> int:
+    """8-bit blocks of the largest local shard (the first chunk along each sharded dim)."""
+    shape = list(p.shape)
+    for i, pl in enumerate(p.placements):
+        if pl.is_shard():
+            dim = pl.dim
+            shape[dim] = -(-shape[dim] // p.device_mesh.size(i))
+    return ref.num_blocks(math.prod(shape))
+
+
+def _scale_placements(p):
+    return [Shard(0) if pl.is_shard() else Replicate() for pl in p.placements]
+
+
+def wrap_state(local_state: dict, p) -> dict:
+    """Turn a freshly initialised local state (for ``p.to_local()``) into ``DTensor`` state for ``p``."""
+    out = {"step": local_state["step"]}
+    for key, value in local_state.items():
+        if key == "step":
+            continue
+        if key.endswith("_scale"):
+            k = max_local_blocks(p)
+            padded = torch.zeros(k, dtype=value.dtype, device=value.device)
+            padded[: value.numel()] = value
+            n = shard_count(p)
+            out[key] = DTensor.from_local(
+                padded, p.device_mesh, _scale_placements(p), run_check=False, shape=(k * n,), stride=(1,)
+            )
+        else:
+            out[key] = DTensor.from_local(
+                value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
+    if "exp_avg_scale" in local_state:
+        out["block_shards"] = shard_count(p)
+    return out
+
+
+def local_view(state: dict, p) -> dict:
+    """The local tensors of a ``DTensor`` state, with the padded scales cut to the local block count."""
+    nb = ref.num_blocks(p.to_local().numel())
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            value = local(value)
+            out[key] = value[:nb] if key.endswith("_scale") else value
+        else:
+            out[key] = value
+    return out
+
+
+def check_block_shards(state: dict, p) -> None:
+    if "exp_avg_scale" not in state:
+        return
+    saved = state.get("block_shards")
+    if saved != shard_count(p):
+        raise ValueError(
+            f"8-bit optimizer state was saved for a parameter cut into {saved} shards, but here it is cut into "
+            f"{shard_count(p)}: 8-bit blocks belong to local shards and cannot be resharded. Resume with the same "
+            "number of shards, or save with state_format='compact' or 'fp32', which reshard freely"
+        )
