@@ -20,7 +20,9 @@ _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused
 def _as_float(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}")
+            raise ValueError(
+                f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}"
+            )
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -206,7 +208,12 @@ class ApexW(torch.optim.Optimizer):
             t = int(state["step"].item())
             if t not in scalars_by_step:
                 scalars_by_step[t] = ref.StepScalars.make(
-                    lr=lr, beta1=beta1, beta2=beta2, eps=float(group["eps"]), weight_decay=float(group["weight_decay"]), step=t
+                    lr=lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                    step=t,
                 )
             ref.adamw_step_ref_(
                 dt.local(p),

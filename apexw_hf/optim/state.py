@@ -83,7 +83,9 @@ def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
                 "set_optimizer_state_dict, which shards full tensors first"
             )
         if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.shape != shape:
-            desc = "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
+            desc = (
+                "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
+            )
             raise ValueError(
                 f"optimizer state '{key}' for a parameter of shape {tuple(p.shape)} is {desc}; "
                 f"format {fmt!r} needs {dtype} {tuple(shape)}"

@@ -16,7 +16,9 @@ def _teacher_student(seed, make_opt, steps=150):
     x = torch.randn(512, 16)
     y = teacher(x).argmax(-1)
     torch.manual_seed(100 + seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.GELU(), torch.nn.LayerNorm(128), torch.nn.Linear(128, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 128), torch.nn.GELU(), torch.nn.LayerNorm(128), torch.nn.Linear(128, 4)
+    )
     opt = make_opt(model.parameters())
     for i in range(steps):
         idx = torch.arange(i * 64, i * 64 + 64) % 512
@@ -31,8 +33,13 @@ def _teacher_student(seed, make_opt, steps=150):
 def _tiny_llama(seed, make_opt, steps=60):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg)
@@ -61,7 +68,7 @@ MARGIN = {"fp32": 0.001, "compact": 0.03, "8bit": 0.05}
 @pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
 def test_final_loss_close_to_torch_adamw(task, lr, fmt):
     torch_losses = [task(s, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)) for s in SEEDS]
-    ours = [task(s, lambda ps: ApexW(ps, lr=lr, weight_decay=0.01, state_format=fmt, seed=s)) for s in SEEDS]
+    ours = [task(s, lambda ps, s=s: ApexW(ps, lr=lr, weight_decay=0.01, state_format=fmt, seed=s)) for s in SEEDS]
     start = task(0, lambda ps: torch.optim.AdamW(ps, lr=0.0)) if fmt == "fp32" else None
     if start is not None:
         assert statistics.mean(torch_losses) < 0.5 * start, "the task must really be learned"

@@ -64,7 +64,10 @@ def test_round_to_nearest_bf16_would_freeze_v():
 def test_nan_gradient_stays_in_its_tensor(fmt):
     good, bad = torch.nn.Parameter(torch.randn(600)), torch.nn.Parameter(torch.randn(600))
     twin = torch.nn.Parameter(good.detach().clone())
-    opt, ref_opt = ApexW([good, bad], state_format=fmt), ApexW([twin, torch.nn.Parameter(torch.randn(600))], state_format=fmt)
+    opt, ref_opt = (
+        ApexW([good, bad], state_format=fmt),
+        ApexW([twin, torch.nn.Parameter(torch.randn(600))], state_format=fmt),
+    )
     for step in range(3):
         g = torch.randn(600)
         good.grad, twin.grad = g.clone(), g.clone()

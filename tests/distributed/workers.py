@@ -1,0 +1,55 @@
+"""Code that runs inside the spawned ranks of tests/distributed (gloo, CPU)."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init(rank, world, store_file):
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 300), torch.nn.Tanh(), torch.nn.Linear(300, 5))
+
+
+def batches(n, rank, world):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8 * world, 24, generator=g) for _ in range(n)]
+    data = [(x, x[:, :5] * 0.5 - x[:, 5:10]) for x in xs]  # a target the model can learn
+    return [(x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]) for x, y in data]
+
+
+def train(model, opt, data):
+    losses = []
+    for x, y in data:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def sharded(world, mesh=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = mesh or init_device_mesh("cpu", (world,))
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def gathered_params(model):
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+
+
+def save_result(out_dir, rank, obj):
+    torch.save(obj, os.path.join(out_dir, f"rank{rank}.pt"))
