@@ -189,11 +189,8 @@ class ApexW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            for p in params:
-                if p.grad.is_sparse:
-                    raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
             if self._uses_triton(group, params):
-                self._triton_engine().step_group(group, params)
+                self._triton_engine().step_group(group, params)  # checks each new gradient allocation
             else:
                 self._step_group_torch(group, params)
         return loss
@@ -203,6 +200,8 @@ class ApexW(torch.optim.Optimizer):
         beta1, beta2 = (float(b) for b in group["betas"])
         scalars_by_step: dict[int, ref.StepScalars] = {}
         for p in params:
+            if p.grad.is_sparse:
+                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
             state = self._init_state(p, group)
             state["step"] += 1
             t = int(state["step"].item())

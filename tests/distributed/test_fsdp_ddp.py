@@ -191,3 +191,26 @@ def test_fsdp2_checkpoint_at_another_world_size(fmt, tmp_path):
     else:  # 8-bit blocks belong to local shards: a clear error, never silently wrong state
         assert "error" in loaded
         assert "exp_avg_scale" in loaded["error"] or "shards" in loaded["error"], loaded["error"]
+
+
+def _fsdp_engines(rank, world, store, out, fmt):
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (on the first Triton step)
+    w.init(rank, world, store)
+    result = {}
+    for engine in ("torch", "triton"):
+        model = w.sharded(world)
+        opt = ApexW(model.parameters(), lr=3e-3, state_format=fmt, engine=engine)
+        w.train(model, opt, w.batches(3, rank, world))
+        result[engine] = w.gathered_params(model)
+    w.save_result(out, rank, result)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "compact"])
+def test_fsdp2_triton_engine_matches_torch_path_on_shards(fmt):
+    pytest.importorskip("triton")
+    results = _spawn(_fsdp_engines, 2, fmt)
+    for r in results:
+        for a, b in zip(r["torch"], r["triton"]):
+            assert torch.equal(a, b)

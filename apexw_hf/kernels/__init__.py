@@ -1,0 +1,5 @@
+"""Triton kernels of ApexW (imports torch and triton only). Import lazily: the package works without triton."""
+
+from .launch import INTERPRETED, LaunchPlan, adamw_step_, tensor_key
+
+__all__ = ["INTERPRETED", "LaunchPlan", "adamw_step_", "tensor_key"]

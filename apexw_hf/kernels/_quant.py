@@ -1,0 +1,89 @@
+"""Triton helpers of the 8-bit block format (``reference.quantize_m`` / ``quantize_v`` and their inverses).
+
+A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
+"""
+
+import triton
+import triton.language as tl
+
+from ._rounding import BF16_NAN, bf16_bits_to_f32, f32_bits, uniform01
+
+INV127 = tl.constexpr(0.007874015718698502)  # fp32(1/127), as reference.INV127
+INV255 = tl.constexpr(0.003921568859368563)  # fp32(1/255), as reference.INV255
+
+
+@triton.jit
+def q2(c):
+    t = c * INV127
+    return t * t
+
+
+@triton.jit
+def q4(c):
+    t = c * INV255
+    t2 = t * t
+    return t2 * t2
+
+
+@triton.jit
+def dequant_m(codes, scale_bits):
+    """int8 codes [R, B] and bf16 scale bits [R] -> fp32 first moment."""
+    c = codes.to(tl.float32)
+    m = q2(tl.abs(c)) * bf16_bits_to_f32(scale_bits)[:, None]
+    return tl.where(c < 0, -m, m)
+
+
+@triton.jit
+def dequant_v(codes, scale_bits):
+    """uint8 codes [R, B] and bf16 scale bits [R] -> fp32 second moment."""
+    return q4(codes.to(tl.float32)) * bf16_bits_to_f32(scale_bits)[:, None]
+
+
+@triton.jit
+def block_scale(a, mask):
+    """Per-row absmax of ``a >= 0`` (NaN wins) rounded up to bf16: (bf16 bits [R], fp32 scale, fp32 reciprocal).
+
+    Non-negative fp32 values order like their bit patterns, and NaN's pattern is above inf's, so the absmax is an
+    integer max that propagates NaN.
+    """
+    amax = tl.max(tl.where(mask, f32_bits(a), 0), axis=1)
+    up = (amax + 0xFFFF) >> 16
+    sbits = tl.where(amax > 0x7F800000, BF16_NAN, up)
+    s = (sbits << 16).to(tl.float32, bitcast=True)
+    inv = tl.where(s == 0.0, 0.0, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s))
+    return sbits.to(tl.uint16), inv
+
+
+@triton.jit
+def normalized(a, inv):
+    """``clamp(a * inv, max=1)`` with NaN -> 0, as ``reference._normalized``."""
+    y = a * inv[:, None]
+    y = tl.where(y > 1.0, 1.0, y)
+    return tl.where(y == y, y, 0.0)
+
+
+@triton.jit
+def quant_m(m, mask, bits):
+    """fp32 first moment [R, B] -> (int8 codes, bf16 scale bits [R])."""
+    a = tl.abs(m)
+    sbits, inv = block_scale(a, mask)
+    y = normalized(a, inv)
+    lo = tl.minimum(tl.floor(tl.sqrt_rn(y) * 127.0), 126.0)  # y in [0, 1]: never below 0
+    qlo = q2(lo)
+    qhi = q2(lo + 1.0)
+    c = lo + ((uniform01(bits) * (qhi - qlo)) < (y - qlo)).to(tl.float32)
+    c = tl.where(m < 0, -c, c)
+    return c.to(tl.int8), sbits
+
+
+@triton.jit
+def quant_v(v, mask, bits):
+    """fp32 second moment [R, B] -> (uint8 codes, bf16 scale bits [R]); nonzero v never gets code 0."""
+    sbits, inv = block_scale(v, mask)
+    y = normalized(v, inv)
+    lo = tl.minimum(tl.floor(tl.sqrt_rn(tl.sqrt_rn(y)) * 255.0), 254.0)
+    qlo = q4(lo)
+    qhi = q4(lo + 1.0)
+    c = lo + ((uniform01(bits) * (qhi - qlo)) < (y - qlo)).to(tl.float32)
+    c = tl.where((v > 0) & (c == 0.0), 1.0, c)
+    return c.to(tl.uint8), sbits

@@ -1,0 +1,86 @@
+"""Triton helpers for the counter-based random bits and the bf16/fp16 roundings of :mod:`apexw_hf.reference`.
+
+All rounding is done on the fp32 bit pattern with integer instructions: no ``cvt.rn.bf16.f32`` (absent before sm_80,
+and the Triton interpreter truncates on ``.to(tl.bfloat16)``), so the result is the same bits on every GPU and on CPU.
+bf16 values travel as their 16 bits (``uint16``).
+"""
+
+import triton
+import triton.language as tl
+
+GOLDEN = tl.constexpr(0x9E3779B1)
+MIX1 = tl.constexpr(0x85EBCA6B)
+MIX2 = tl.constexpr(0xC2B2AE35)
+STREAM_MUL = tl.constexpr(0x632BE5AB)
+STREAM_M = tl.constexpr(1)
+STREAM_V = tl.constexpr(2)
+STREAM_P = tl.constexpr(3)
+TWO_POW_M24 = tl.constexpr(2.0**-24)
+BF16_NAN = tl.constexpr(0x7FC0)
+
+
+@triton.jit
+def mix32(x):
+    """murmur3 fmix32 on uint32 values (wrapping multiplies)."""
+    x = x ^ (x >> 16)
+    x = x * MIX1
+    x = x ^ (x >> 13)
+    x = x * MIX2
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def stream_key(tensor_key, step, stream: tl.constexpr):
+    """``reference.stream_key`` given ``tensor_key = mix32(seed + GOLDEN * (tensor_index + 1))`` (uint32)."""
+    k = mix32(tensor_key ^ mix32(step))
+    stream_add: tl.constexpr = (stream * STREAM_MUL) & 0xFFFFFFFF
+    return mix32(k + stream_add)
+
+
+@triton.jit
+def uniform_bits(idx_golden, key):
+    """32 random bits per element: ``mix32(index * GOLDEN + key)``, with ``idx_golden = index * GOLDEN`` (uint32)."""
+    return mix32(idx_golden + key)
+
+
+@triton.jit
+def uniform01(bits):
+    """fp32 in [0, 1) from the top 24 of 32 random bits (exact)."""
+    return (bits >> 8).to(tl.float32) * TWO_POW_M24
+
+
+@triton.jit
+def f32_bits(x):
+    return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def bf16_bits_to_f32(h):
+    """bf16 bits (uint16) -> fp32, exact."""
+    return (h.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16_bits_stochastic(x, bits):
+    """fp32 -> bf16 bits, stochastic: add the top 16 random bits below the bf16 mantissa, truncate. NaN -> 0x7FC0."""
+    r = (f32_bits(x) + (bits >> 16)) >> 16
+    return tl.where(x != x, BF16_NAN, r).to(tl.uint16)
+
+
+@triton.jit
+def f32_to_bf16_bits_nearest(x):
+    """fp32 -> bf16 bits, round to nearest even (as ``Tensor.to(torch.bfloat16)``). NaN -> 0x7FC0."""
+    b = f32_bits(x)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    return tl.where(x != x, BF16_NAN, r).to(tl.uint16)
+
+
+@triton.jit
+def f32_to_f16_stochastic(x, bits):
+    """fp32 -> fp16 with stochastic rounding (``reference.round_to_fp16_stochastic``)."""
+    b = f32_bits(x)
+    e = ((b >> 23) & 0xFF).to(tl.int32) - 127
+    drop = 13 + tl.minimum(tl.maximum(-14 - e, 0), 10)
+    mask = (tl.full(drop.shape, 1, tl.uint32) << drop.to(tl.uint32)) - 1
+    r = ((b + ((bits >> 9) & mask)) & ~mask).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, r).to(tl.float16)

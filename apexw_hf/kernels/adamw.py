@@ -1,0 +1,185 @@
+"""The one AdamW update kernel: every tensor of a parameter group in one launch, state format chosen at compile time.
+
+Per element, in fp32 with only IEEE-rounded operations (launch with ``enable_fp_fusion=False``; division and
+square root are the correctly rounded ``div_rn`` / ``sqrt_rn``), exactly as
+:func:`apexw_hf.reference.adamw_step_ref_`::
+
+    m = m * beta1 + g * (1 - beta1)
+    v = v * beta2 + (g * g) * (1 - beta2)
+    p = p * (1 - lr * wd) - (m / (sqrt(v) * (1 / sqrt(1 - beta2**t)) + eps)) * (lr / (1 - beta1**t))
+
+One program handles one chunk of ``ROWS * 256`` consecutive elements of one tensor, as a ``[ROWS, 256]`` tile (a row is
+one 8-bit quantization block). The work list gives each program its (tensor, chunk); the address table gives each
+tensor's parameter, gradient and state pointers (a gradient address of 0 marks a tensor that does not step now).
+Random bits for stochastic rounding come from the counter-based hash of (seed, tensor index, step, stream, element),
+computed in the kernel from a per-tensor key, so nothing but the step number changes from step to step.
+
+Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
+``"8bit"`` int8/uint8 codes with one bf16 scale per 256 elements. bf16/fp16 parameters are rounded stochastically
+(``STOCHASTIC_PARAM``) or to nearest.
+"""
+
+import triton
+import triton.language as tl
+
+from ._quant import dequant_m, dequant_v, quant_m, quant_v
+from ._rounding import (
+    GOLDEN,
+    STREAM_M,
+    STREAM_P,
+    STREAM_V,
+    bf16_bits_to_f32,
+    f32_to_bf16_bits_nearest,
+    f32_to_bf16_bits_stochastic,
+    f32_to_f16_stochastic,
+    stream_key,
+    uniform_bits,
+)
+
+QBLOCK = tl.constexpr(256)
+
+# Rows of the address table (int64 [NUM_ADDR_ROWS, T]).
+ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (tl.constexpr(i) for i in range(6))
+NUM_ADDR_ROWS = 6
+
+
+@triton.jit
+def _base(addr, start, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer to element ``start`` of the tensor at ``addr`` (bf16 as uint16); per-element offsets stay int32."""
+    if DTYPE == tl.bfloat16:
+        ptr = addr.to(tl.pointer_type(tl.uint16)) + start
+    else:
+        ptr = addr.to(tl.pointer_type(DTYPE)) + start
+    if ALIGNED:
+        # The host checked that every base address is 16-byte aligned; start is a multiple of 256 elements.
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr):
+    x = tl.load(ptr + offs, mask=mask, other=0)
+    if DTYPE == tl.bfloat16:
+        return bf16_bits_to_f32(x)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "step"])
+def _adamw_kernel(
+    work_ptr,  # int32 [2, num_work]: tensor id, chunk id
+    addr_ptr,  # int64 [6, num_tensors]: see ADDR_*
+    numel_ptr,  # int64 [num_tensors]
+    tkey_ptr,  # int32 [num_tensors]: mix32(seed + GOLDEN * (tensor_index + 1))
+    tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
+    num_work,
+    num_tensors,
+    step,
+    step_size,
+    inv_bc2_sqrt,
+    beta1,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    decay,
+    eps,
+    FMT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    STOCHASTIC_PARAM: tl.constexpr,
+    PER_TENSOR_STEP: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(work_ptr + pid)
+    chunk = tl.load(work_ptr + num_work + pid)
+    g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)
+    if g_addr != 0:
+        numel = tl.load(numel_ptr + t)
+        start = chunk.to(tl.int64) * (ROWS * QBLOCK)
+        rest = tl.minimum(numel - start, ROWS * QBLOCK).to(tl.int32)
+        rows = tl.arange(0, ROWS)
+        cols = tl.arange(0, QBLOCK)
+        offs = rows[:, None] * QBLOCK + cols[None, :]
+        mask = offs < rest
+
+        if PER_TENSOR_STEP:
+            step = tl.load(tstep_ptr + t)
+            step_size = tl.load(tstep_ptr + num_tensors + t).to(tl.float32, bitcast=True)
+            inv_bc2_sqrt = tl.load(tstep_ptr + 2 * num_tensors + t).to(tl.float32, bitcast=True)
+        NEED_P_BITS: tl.constexpr = STOCHASTIC_PARAM and (P_DTYPE != tl.float32)
+        if FMT != "fp32" or NEED_P_BITS:
+            tkey = tl.load(tkey_ptr + t).to(tl.uint32, bitcast=True)
+            ustep = step.to(tl.uint32)
+            # Element index mod 2**32 times GOLDEN, as in reference.hash_uniform_bits.
+            idx_golden = (start.to(tl.uint32) + offs.to(tl.uint32)) * GOLDEN
+
+        p_addr = tl.load(addr_ptr + ADDR_PARAM * num_tensors + t)
+        m_addr = tl.load(addr_ptr + ADDR_M * num_tensors + t)
+        v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
+
+        g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE)
+        if MAXIMIZE:
+            g = -g
+        p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
+        p = _load_f32(p_ptr, offs, mask, P_DTYPE)
+        if FMT == "8bit":
+            bmask = rows < (rest + QBLOCK - 1) // QBLOCK
+            blk0 = start // QBLOCK
+            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            mc_ptr = _base(m_addr, start, tl.int8, ALIGNED)
+            vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
+            m = dequant_m(tl.load(mc_ptr + offs, mask=mask, other=0), tl.load(ms_ptr + rows, mask=bmask, other=0))
+            v = dequant_v(tl.load(vc_ptr + offs, mask=mask, other=0), tl.load(vs_ptr + rows, mask=bmask, other=0))
+        elif FMT == "compact":
+            m_ptr = _base(m_addr, start, tl.bfloat16, ALIGNED)
+            v_ptr = _base(v_addr, start, tl.bfloat16, ALIGNED)
+            m = _load_f32(m_ptr, offs, mask, tl.bfloat16)
+            v = _load_f32(v_ptr, offs, mask, tl.bfloat16)
+        else:
+            m_ptr = _base(m_addr, start, tl.float32, ALIGNED)
+            v_ptr = _base(v_addr, start, tl.float32, ALIGNED)
+            m = _load_f32(m_ptr, offs, mask, tl.float32)
+            v = _load_f32(v_ptr, offs, mask, tl.float32)
+
+        m = m * beta1 + g * one_minus_beta1
+        v = v * beta2 + (g * g) * one_minus_beta2
+        denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+        p = p * decay - tl.math.div_rn(m, denom) * step_size
+
+        if P_DTYPE == tl.float32:
+            tl.store(p_ptr + offs, p, mask=mask)
+        elif P_DTYPE == tl.bfloat16:
+            if STOCHASTIC_PARAM:
+                bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
+                pb = f32_to_bf16_bits_stochastic(p, bits_p)
+            else:
+                pb = f32_to_bf16_bits_nearest(p)
+            tl.store(p_ptr + offs, pb, mask=mask)
+        else:
+            if STOCHASTIC_PARAM:
+                bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
+                ph = f32_to_f16_stochastic(p, bits_p)
+            else:
+                ph = p.to(tl.float16)
+            tl.store(p_ptr + offs, ph, mask=mask)
+
+        if FMT == "fp32":
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+        else:
+            bits_m = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_M))
+            bits_v = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_V))
+            if FMT == "compact":
+                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_m), mask=mask)
+                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_v), mask=mask)
+            else:
+                cm, sm = quant_m(m, mask, bits_m)
+                cv, sv = quant_v(v, mask, bits_v)
+                tl.store(mc_ptr + offs, cm, mask=mask)
+                tl.store(vc_ptr + offs, cv, mask=mask)
+                tl.store(ms_ptr + rows, sm, mask=bmask)
+                tl.store(vs_ptr + rows, sv, mask=bmask)

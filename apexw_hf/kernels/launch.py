@@ -1,0 +1,235 @@
+"""Launch table of the AdamW kernel: static per-tensor metadata built once, a few small copies per step.
+
+:class:`LaunchPlan` holds, on the parameters' device, everything about a set of tensors that does not change from
+step to step (addresses of parameters and states, sizes, per-tensor random keys, the work list). Per step only the
+gradient addresses are refreshed (and only when they moved), and, when tensors of the set are at different step
+counts, their per-tensor bias corrections. Both go through pinned host memory with non-blocking copies: no
+host-device synchronization.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from . import adamw
+from .adamw import NUM_ADDR_ROWS, _adamw_kernel
+
+ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
+    adamw.ADDR_PARAM.value,
+    adamw.ADDR_GRAD.value,
+    adamw.ADDR_M.value,
+    adamw.ADDR_V.value,
+    adamw.ADDR_M_SCALE.value,
+    adamw.ADDR_V_SCALE.value,
+)
+
+QBLOCK = 256
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_TL_DTYPES = {
+    torch.float32: triton.language.float32,
+    torch.bfloat16: triton.language.bfloat16,
+    torch.float16: triton.language.float16,
+}
+
+# (rows of 256 elements per program, warps) by state format and parameter element size in bytes; the fastest of
+# scripts/bench_step.py --tune on an H200 (docs/results/step_h200_2026-11-29.json, "tune"). Small tiles won: the update
+# keeps many values live per element, and tiles of 8 elements per thread spilled or lost occupancy.
+LAUNCH_CONFIG = {
+    "fp32": {4: (2, 4), 2: (2, 4)},
+    "compact": {4: (2, 4), 2: (2, 4)},
+    "8bit": {4: (1, 2), 2: (1, 2)},
+}
+
+_STATE_DTYPES = {
+    "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
+    "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+    "8bit": {
+        "exp_avg": torch.int8,
+        "exp_avg_sq": torch.uint8,
+        "exp_avg_scale": torch.bfloat16,
+        "exp_avg_sq_scale": torch.bfloat16,
+    },
+}
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    x &= _MASK32
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def tensor_key(seed: int, tensor_index: int) -> int:
+    """First stage of ``reference.stream_key``; the kernel finishes it with the step and the stream."""
+    return _mix32(seed + 0x9E3779B1 * (tensor_index + 1))
+
+
+def _to_i32(u: int) -> int:
+    return u - (1 << 32) if u >= 1 << 31 else u
+
+
+def _copy_from_host_(dst: torch.Tensor, values) -> None:
+    """Copy host values into ``dst`` without waiting for the device."""
+    if dst.device.type == "cpu":
+        dst.copy_(torch.as_tensor(values, dtype=dst.dtype).view(dst.shape))
+        return
+    # The caching host allocator keeps a pinned block until the copy that reads it has completed.
+    staged = torch.as_tensor(values, dtype=dst.dtype).view(dst.shape).pin_memory()
+    dst.copy_(staged, non_blocking=True)
+
+
+class LaunchPlan:
+    """Static launch metadata for tensors that share a device, a state format, a param dtype and a grad dtype.
+
+    Args:
+        params: the parameters (contiguous, same dtype and device).
+        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`).
+        fmt: state format.
+        tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).
+        seed: the optimizer's seed.
+        grad_dtype: dtype of the gradients this plan is launched with.
+        rows, num_warps: tile height (in 256-element blocks) and warps per program; default by format.
+    """
+
+    def __init__(self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None):
+        if not params:
+            raise ValueError("a launch plan needs at least one tensor")
+        self.fmt = fmt
+        self.device = params[0].device
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        cfg_rows, cfg_warps = LAUNCH_CONFIG[fmt][params[0].element_size()]
+        self.rows = rows or cfg_rows
+        self.num_warps = num_warps or cfg_warps
+        chunk = self.rows * QBLOCK
+        n = len(params)
+        self.num_tensors = n
+        addr = [[0] * n for _ in range(NUM_ADDR_ROWS)]
+        numel, tkey, work_t, work_c = [], [], [], []
+        aligned = True
+        for i, (p, s) in enumerate(zip(params, states)):
+            if p.dtype != self.param_dtype or p.device != self.device:
+                raise ValueError("all tensors of a launch plan must share dtype and device")
+            if not p.is_contiguous():
+                raise ValueError(f"the Triton engine needs contiguous parameters; got strides {p.stride()}")
+            addr[ADDR_PARAM][i] = p.data_ptr()
+            addr[ADDR_M][i] = s["exp_avg"].data_ptr()
+            addr[ADDR_V][i] = s["exp_avg_sq"].data_ptr()
+            if fmt == "8bit":
+                addr[ADDR_M_SCALE][i] = s["exp_avg_scale"].data_ptr()
+                addr[ADDR_V_SCALE][i] = s["exp_avg_sq_scale"].data_ptr()
+            for key, dtype in _STATE_DTYPES[fmt].items():
+                x = s[key]
+                want = (p.numel() + QBLOCK - 1) // QBLOCK if key.endswith("_scale") else p.numel()
+                if x.dtype != dtype or x.numel() != want or not x.is_contiguous() or x.device != self.device:
+                    raise ValueError(
+                        f"state '{key}' must be a contiguous {dtype} tensor of {want} elements on {self.device} for "
+                        f"format {fmt!r}; got {x.dtype}, {x.numel()} elements, on {x.device}"
+                    )
+            aligned &= all(a % 16 == 0 for a in (addr[ADDR_PARAM][i], addr[ADDR_M][i], addr[ADDR_V][i]))
+            numel.append(p.numel())
+            tkey.append(_to_i32(tensor_key(seed, tensor_indices[i])))
+            nchunks = (p.numel() + chunk - 1) // chunk
+            work_t.extend([i] * nchunks)
+            work_c.extend(range(nchunks))
+        if len(work_t) >= 2**31:
+            raise ValueError("too many chunks for one launch")
+        self.static_aligned = aligned
+        self.grads_aligned = False
+        dev = self.device
+        self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)
+        self.numel = torch.tensor(numel, dtype=torch.int64).to(dev)
+        self.tkey = torch.tensor(tkey, dtype=torch.int32).to(dev)
+        self.work = torch.tensor([work_t, work_c], dtype=torch.int32).to(dev)
+        self.num_work = len(work_t)
+        self.tstep = torch.zeros(3, n, dtype=torch.int32, device=dev)
+        self._grad_ptrs: list[int] | None = None
+
+    def set_grad_ptrs(self, ptrs: list[int]) -> None:
+        """Gradient addresses in plan order, 0 for a tensor that does not step now. Copied only when they changed."""
+        if ptrs == self._grad_ptrs:
+            return
+        self._grad_ptrs = ptrs
+        self.grads_aligned = not any(a & 15 for a in ptrs)
+        _copy_from_host_(self.addr[ADDR_GRAD], ptrs)
+
+    def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
+        """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""
+        import numpy as np
+
+        packed = np.stack(
+            [
+                np.asarray(steps, dtype=np.int32),
+                np.asarray(step_sizes, dtype=np.float32).view(np.int32),
+                np.asarray(inv_bc2_sqrts, dtype=np.float32).view(np.int32),
+            ]
+        )
+        _copy_from_host_(self.tstep, torch.from_numpy(packed))
+
+    def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False) -> None:
+        """One launch over all tensors. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
+        ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
+        :meth:`set_tensor_steps`."""
+        s = scalars
+        _adamw_kernel[(self.num_work,)](
+            self.work,
+            self.addr,
+            self.numel,
+            self.tkey,
+            self.tstep,
+            self.num_work,
+            self.num_tensors,
+            int(step) & 0x7FFFFFFF,
+            s.step_size,
+            s.inv_bc2_sqrt,
+            s.beta1,
+            s.beta2,
+            s.one_minus_beta1,
+            s.one_minus_beta2,
+            s.decay,
+            s.eps,
+            FMT=self.fmt,
+            P_DTYPE=_TL_DTYPES[self.param_dtype],
+            G_DTYPE=_TL_DTYPES[self.grad_dtype],
+            MAXIMIZE=bool(maximize),
+            STOCHASTIC_PARAM=bool(stochastic_param),
+            PER_TENSOR_STEP=bool(per_tensor_step),
+            ALIGNED=self.static_aligned and self.grads_aligned,
+            ROWS=self.rows,
+            num_warps=self.num_warps,
+            enable_fp_fusion=False,
+        )
+
+
+def adamw_step_(
+    params,
+    grads,
+    states,
+    *,
+    fmt,
+    scalars,
+    seed,
+    tensor_indices,
+    step,
+    maximize=False,
+    param_rounding="stochastic",
+    rows=None,
+    num_warps=None,
+) -> None:
+    """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
+
+    The same contract as :func:`apexw_hf.reference.adamw_step_ref_` applied to each tensor; for tests and tools.
+    """
+    plan = LaunchPlan(params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps)
+    for g, p in zip(grads, params):
+        if g.dtype != plan.grad_dtype or g.shape != p.shape or not g.is_contiguous():
+            raise ValueError("gradients must be contiguous, shaped like their parameters, and of one dtype")
+    plan.set_grad_ptrs([g.data_ptr() for g in grads])
+    plan.launch(step=step, scalars=scalars, maximize=maximize, stochastic_param=param_rounding == "stochastic")

@@ -1,0 +1,261 @@
+"""Triton engine of :class:`~apexw_hf.optim.base.ApexW`: one kernel launch per (param group, param dtype, grad dtype).
+
+Interface with the optimizer (``base.py``)::
+
+    engine = TritonEngine(optimizer)        # one per optimizer, created lazily on the first Triton step
+    engine.step_group(group, params)        # params: the group's params whose .grad is not None, in group order
+    engine.invalidate()                     # after load_state_dict or any replacement of state tensors
+
+``step_group`` does everything the plain-PyTorch path does for those params: it creates missing state (through
+``optimizer._init_state``), increments ``state["step"]`` of exactly those params, and applies the update. The random
+streams use ``optimizer._param_index[p]`` as tensor index and ``group["seed"]``, as the reference does.
+
+What is cached per group (rebuilt only when the set of stepping params, their state tensors or their grad dtypes
+change): the address tables and work lists on the device (:class:`apexw_hf.kernels.LaunchPlan`), per-tensor random
+keys, and the step counters: ``state["step"]`` of every param in the cache is a 0-dim view into one CPU fp32 buffer,
+so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU tensors for ``state_dict``).
+
+Host work per step that remains, and why:
+
+* reading ``p.grad`` and its address for every stepping param (one list pass each): autograd may hand out new
+  gradient tensors every step, and the kernel needs their addresses. The address table is copied to the device
+  (pinned memory, non-blocking) only when an address changed; when one did, dtype, shape and contiguity of every
+  gradient are checked again (an unchanged address list means the same allocations as the checked ones).
+* comparing the list of stepping params with the cached one (``id`` list, C speed), to notice params whose
+  gradient is ``None`` this step; those are skipped in the kernel (address 0) and keep their step count.
+* one fp32 rounding of the hyperparameters (:class:`~apexw_hf.reference.StepScalars`) per group, or, when params of
+  a group are at different step counts, one per distinct step count, copied as a small per-tensor table.
+
+No host-device synchronization happens in a step.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+import torch
+
+from .. import reference as ref
+from . import dtensor as dt
+
+
+def _float(name: str, value) -> float:
+    # A one-element CUDA tensor would synchronize here; the optimizer documents lr as read once per step.
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _f32(x: float) -> float:
+    # Same C double -> float cast (round to nearest even, overflow to inf) as reference._f32, without a tensor.
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
+
+
+def step_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
+    """``reference.StepScalars.make`` with the same Python double math, rounded to fp32 without creating tensors
+    (about 30x cheaper; tests/kernels/test_engine.py checks that both agree)."""
+    bc1 = 1.0 - beta1**step
+    bc2 = 1.0 - beta2**step
+    return ref.StepScalars(
+        beta1=_f32(beta1),
+        beta2=_f32(beta2),
+        one_minus_beta1=_f32(1.0 - beta1),
+        one_minus_beta2=_f32(1.0 - beta2),
+        decay=_f32(1.0 - lr * weight_decay),
+        step_size=_f32(lr / bc1),
+        inv_bc2_sqrt=_f32(1.0 / math.sqrt(bc2)),
+        eps=_f32(eps),
+    )
+
+
+class _GroupCache:
+    """Launch plans and step counters of the stepping params of one param group."""
+
+    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor]):
+        from ..kernels import LaunchPlan
+
+        opt = engine.optimizer
+        self.members = members
+        self.member_ids = [id(p) for p in members]
+        self.slot_of = {id(p): i for i, p in enumerate(members)}
+        self.fmt = group["state_format"]
+        self.seed = group["seed"]
+        states = [opt.state[p] for p in members]
+        # Step counters: views into one buffer (values copied from whatever the states held).
+        self.steps = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
+        self.steps_np = self.steps.numpy()
+        for i, s in enumerate(states):
+            s["step"] = self.steps[i]
+        by_kind: dict[tuple, list[int]] = {}
+        for i, (p, g) in enumerate(zip(members, grads)):
+            by_kind.setdefault((p.dtype, g.dtype), []).append(i)
+        self.grad_dtypes = [g.dtype for g in grads]
+        self.plans = []
+        for (_, gdt), slots in by_kind.items():
+            # FSDP2 DTensor params: the kernel steps the local shards (8-bit scales cut to the local block count).
+            plan = LaunchPlan(
+                [dt.local(members[i]) for i in slots],
+                [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],
+                self.fmt,
+                [opt._param_index[members[i]] for i in slots],
+                self.seed,
+                gdt,
+            )
+            self.plans.append((plan, slots, np.asarray(slots, dtype=np.int64)))
+        self.grad_ptrs: list[int] | None = None
+
+
+class TritonEngine:
+    """Runs :meth:`ApexW.step` for param groups on the Triton kernels (see the module docstring for the contract)."""
+
+    def __init__(self, optimizer):
+        try:
+            from .. import kernels  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError(f"engine='triton' needs the triton package ({e}); install apexw_hf[triton]") from e
+
+        self.optimizer = optimizer
+        self._cache: dict[int, _GroupCache] = {}
+
+    def invalidate(self) -> None:
+        """Forget all cached launch metadata (state tensors were replaced)."""
+        self._cache.clear()
+
+    @staticmethod
+    def _check_device(p: torch.Tensor) -> None:
+        from ..kernels import INTERPRETED
+
+        p = dt.local(p)
+        if p.device.type == "cuda" or (p.device.type == "cpu" and INTERPRETED):
+            return
+        if p.device.type == "cpu":
+            raise RuntimeError(
+                "engine='triton' needs CUDA parameters; CPU parameters run on the kernels only under the Triton "
+                "interpreter (set TRITON_INTERPRET=1 before apexw_hf.kernels is imported). Use engine='torch' or "
+                "'auto' for CPU training."
+            )
+        raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
+
+    def _rebuild(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _GroupCache:
+        opt = self.optimizer
+        self._check_device(params[0])
+        old = self._cache.get(id(group))
+        same = old is not None and old.fmt == group["state_format"] and old.seed == group["seed"]
+        known = set(old.member_ids) if same else set()
+        stepping = {id(p) for p in params}
+        # Members: params stepping now plus those cached before (their counters stay in the new buffer).
+        members, member_grads = [], []
+        grad_of = dict(zip(map(id, params), grads))
+        for p in group["params"]:
+            if id(p) in stepping or id(p) in known:
+                g = grad_of.get(id(p))
+                if g is None:
+                    g = p.grad if p.grad is not None else p  # a stand-in of the param's dtype for the plan key
+                members.append(p)
+                member_grads.append(g)
+        for p, g in zip(params, grads):
+            self._check_grad(p, g)
+            opt._init_state(p, group)
+        cache = _GroupCache(self, group, members, member_grads)
+        self._cache[id(group)] = cache
+        return cache
+
+    @staticmethod
+    def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+        p, g = dt.local(p), dt.local(g)
+        if g.is_sparse:
+            raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+        if g.shape != p.shape or g.device != p.device or not g.is_contiguous() or g.is_sparse:
+            raise ValueError(
+                f"the Triton engine needs dense contiguous gradients shaped like their parameter on its device; got "
+                f"shape {tuple(g.shape)}, strides {g.stride()}, device {g.device} for a parameter of shape "
+                f"{tuple(p.shape)} on {p.device}"
+            )
+        if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"unsupported gradient dtype {g.dtype}; allowed: float32, bfloat16, float16")
+
+    def step_group(self, group: dict, params: list[torch.Tensor]) -> None:
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them."""
+        if not params:
+            return
+        if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
+            ptrs = [p.grad.to_local().data_ptr() for p in params]
+        else:
+            ptrs = [p.grad.data_ptr() for p in params]
+        cache = self._cache.get(id(group))
+        full = (
+            cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
+        )
+        ids = None
+        if not full:
+            ids = [id(p) for p in params]
+            if cache is None or not all(i in cache.slot_of for i in ids):
+                cache = self._rebuild(group, params, [p.grad for p in params])
+                full = ids == cache.member_ids
+        if group["state_format"] != cache.fmt or group["seed"] != cache.seed:
+            cache = self._rebuild(group, params, [p.grad for p in params])
+            full = [id(p) for p in params] == cache.member_ids
+        slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+        if slot_ptrs != cache.grad_ptrs:
+            # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
+            grads = [p.grad for p in params]
+            ids = ids or [id(p) for p in params]
+            dtypes = list(cache.grad_dtypes)
+            for i, p, g in zip(ids, params, grads):
+                self._check_grad(p, g)
+                dtypes[cache.slot_of[i]] = g.dtype
+            if dtypes != cache.grad_dtypes:
+                cache = self._rebuild(group, params, grads)
+                full = ids == cache.member_ids
+                slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+            cache.grad_ptrs = slot_ptrs
+
+        # Step counters: all cached params in one add, or only the stepping ones.
+        if full:
+            cache.steps += 1
+            stepping = cache.steps_np
+        else:
+            active = torch.tensor([cache.slot_of[i] for i in ids], dtype=torch.int64)
+            cache.steps.index_add_(0, active, torch.ones(len(ids), dtype=torch.float32))
+            stepping = cache.steps_np[active.numpy()]
+        lo, hi = int(stepping.min()), int(stepping.max())
+
+        hp = dict(
+            lr=_float("lr", group["lr"]),
+            beta1=_float("betas", group["betas"][0]),
+            beta2=_float("betas", group["betas"][1]),
+            eps=_float("eps", group["eps"]),
+            weight_decay=_float("weight_decay", group["weight_decay"]),
+        )
+        uniform = lo == hi
+        if uniform:
+            scalars = step_scalars(step=lo, **hp)
+        else:
+            # Python float math per distinct step count, exactly as the reference computes it.
+            table = {int(t): step_scalars(step=int(t), **hp) for t in np.unique(stepping)}
+            scalars = table[lo]
+        for plan, slots, slots_np in cache.plans:
+            plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
+            if not uniform:
+                t = cache.steps_np[slots_np].astype(np.int64)
+                known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
+                plan.set_tensor_steps(
+                    t,
+                    [k.step_size if k else 0.0 for k in known],
+                    [k.inv_bc2_sqrt if k else 0.0 for k in known],
+                )
+            plan.launch(
+                step=lo,
+                scalars=scalars,
+                maximize=group["maximize"],
+                stochastic_param=group["param_rounding"] == "stochastic",
+                per_tensor_step=not uniform,
+            )
+
+    @staticmethod
+    def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:
+        slot_ptrs = [0] * len(cache.members)
+        for i, a in zip(ids, ptrs):
+            slot_ptrs[cache.slot_of[i]] = a
+        return slot_ptrs

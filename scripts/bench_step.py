@@ -1,0 +1,439 @@
+"""Optimizer-step benchmark on one GPU: ApexW (compact, 8-bit; auto and forced kernel) against every baseline.
+
+Optimizer step only: gradients are random and fixed across steps; each step is timed with CUDA events after
+warm-up, and the median of ``--steps`` steps is reported, with state bytes per parameter and the bandwidth floor
+(bytes the step must move / measured device copy bandwidth) beside it. All optimizers of a workload run in the same
+process, one after the other, so ratios are comparable. Results (with GPU, versions, git commit, date) go to one JSON
+file; ``scripts/make_step_report.py`` turns stored results into docs/step_benchmark.md and a plot.
+
+Usage (on the GPU host)::
+
+    python scripts/bench_step.py --out docs/results/step_h200.json
+    python scripts/bench_step.py --tune          # kernel tile variants on the large workloads, no baselines
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+T0 = time.perf_counter()
+
+
+# ---- workloads (FACTS.md) --------------------------------------------------------------------------------------
+
+
+def lora_3b_shapes():
+    dims = [(3072, 3072), (3072, 1024), (3072, 1024), (3072, 3072), (3072, 8192), (3072, 8192), (8192, 3072)]
+    return [s for _ in range(28) for fi, fo in dims for s in ((16, fi), (fo, 16))]
+
+
+def llama_1b_shapes():
+    layer = [
+        (2048, 2048),
+        (512, 2048),
+        (512, 2048),
+        (2048, 2048),
+        (8192, 2048),
+        (8192, 2048),
+        (2048, 8192),
+        (2048,),
+        (2048,),
+    ]
+    return [(128256, 2048), (2048,)] + layer * 16
+
+
+WORKLOADS = {
+    "4x8192^2 fp32": ([(8192, 8192)] * 4, torch.float32),
+    "4x8192^2 bf16": ([(8192, 8192)] * 4, torch.bfloat16),
+    "LoRA Llama-3.2-3B (392 fp32)": (lora_3b_shapes(), torch.float32),
+    "Llama-3.2-1B shapes fp32": (llama_1b_shapes(), torch.float32),
+    "Llama-3.2-1B shapes bf16": (llama_1b_shapes(), torch.bfloat16),
+    "5000x4096 fp32": ([(4096,)] * 5000, torch.float32),
+}
+
+
+# ---- optimizers ------------------------------------------------------------------------------------------------
+
+
+def _apexw(fmt, engine):
+    def make(params):
+        from apexw_hf.optim import ApexW
+
+        return ApexW(params, state_format=fmt, engine=engine, **HP)
+
+    return make
+
+
+def _torch(**kw):
+    return lambda params: torch.optim.AdamW(params, **HP, **kw)
+
+
+def _torch_fused_bf16_state(params):
+    opt = torch.optim.AdamW(params, fused=True, **HP)
+    for p in params:
+        opt.state[p] = {
+            "step": torch.tensor(0.0, device=p.device),  # the fused kernel wants its step counters on the device
+            "exp_avg": torch.zeros_like(p, dtype=torch.bfloat16),
+            "exp_avg_sq": torch.zeros_like(p, dtype=torch.bfloat16),
+        }
+    return opt
+
+
+class _Compiled:
+    """torch.compile of the torch AdamW step (foreach implementation, lr as a tensor: no recompiles per value)."""
+
+    def __init__(self, params):
+        hp = dict(HP)
+        hp["lr"] = torch.tensor(hp["lr"], device=params[0].device)
+        self.opt = torch.optim.AdamW(params, foreach=True, capturable=True, **hp)
+        self.state = self.opt.state
+        self._step = torch.compile(self.opt.step)
+
+    def step(self):
+        self._step()
+
+
+def _bnb(params):
+    import bitsandbytes as bnb
+
+    return bnb.optim.AdamW8bit(params, **HP)
+
+
+def _torchao(bits):
+    def make(params):
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        return (AdamW8bit if bits == 8 else AdamW4bit)(params, **HP)
+
+    return make
+
+
+OPTIMIZERS = {
+    "apexw_compact_auto": _apexw("compact", "auto"),
+    "apexw_compact_triton": _apexw("compact", "triton"),
+    "apexw_8bit_auto": _apexw("8bit", "auto"),
+    "apexw_8bit_triton": _apexw("8bit", "triton"),
+    "torch_fused": _torch(fused=True),
+    "torch_foreach": _torch(foreach=True),
+    "torch_fused_bf16_state": _torch_fused_bf16_state,
+    "bnb_adamw8bit": _bnb,
+    "torch_compile": _Compiled,
+    "torchao_adamw8bit": _torchao(8),
+    "torchao_adamw4bit": _torchao(4),
+}
+# Baselines with long warm-up (compilation): a run past its --deadline skips these, and says so.
+SLOW = ("torch_compile", "torchao_adamw8bit", "torchao_adamw4bit")
+
+# What a run on a budget leaves out, and why (stored with the results; nothing is left out silently).
+SKIP = {
+    ("torch_compile", "5000x4096 fp32"): "compiling a 5000-tensor step takes many minutes; outside the device budget",
+    (
+        "torch_compile",
+        "LoRA Llama-3.2-3B (392 fp32)",
+    ): "compile time (minutes for 392 tensors) outside this run's device "
+    "budget; FACTS.md anchor: 5.30 ms vs fused 2.05 ms",
+    (
+        "torch_compile",
+        "Llama-3.2-1B shapes fp32",
+    ): "compile time outside this run's device budget; measured on the bf16 variant of the same shapes",
+    ("torchao_adamw4bit", "5000x4096 fp32"): "torchao skips 4096-element tensors (< its size threshold) "
+    "and one step of 5000 tensors takes seconds (FACTS.md: 2.5 s for 8-bit); outside the device budget",
+    ("torchao_adamw8bit", "5000x4096 fp32"): "one step takes ~2.5 s (FACTS.md); outside the device budget",
+}
+
+
+# ---- measurement -----------------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(nbytes=4 << 30):
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times)
+
+
+def state_bytes(opt):
+    total = 0
+    for st in opt.state.values():
+        for v in st.values():
+            if (
+                hasattr(v, "__tensor_flatten__")
+                and type(v) is not torch.Tensor
+                and not isinstance(v, torch.nn.Parameter)
+            ):  # torchao's quantized state is a tensor subclass: count its inner tensors
+                names, _ = v.__tensor_flatten__()
+                total += sum(getattr(v, n).numel() * getattr(v, n).element_size() for n in names)
+            elif isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                total += v.numel() * v.element_size()
+    return total
+
+
+def time_steps(opt, steps, warmup, time_budget_s):
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        opt.step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    # One timed step decides how many fit the budget (never fewer than 30 unless the budget says so).
+    events = []
+    t1 = time.perf_counter()
+    for i in range(steps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        opt.step()
+        e.record()
+        events.append((s, e))
+        if i == 2:
+            torch.cuda.synchronize()
+            per = (time.perf_counter() - t1) / 3
+            if per * steps > time_budget_s:
+                break
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in events]
+    return statistics.median(ms), len(ms), warm_s, ms
+
+
+def bench_workload(name, shapes, dtype, optimizers, args, bw):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype, generator=gen) * 0.02) for s in shapes]
+    grads = [torch.randn(s, device="cuda", dtype=dtype, generator=gen) * 1e-3 for s in shapes]
+    numel = sum(p.numel() for p in params)
+    rows = []
+    for opt_name in optimizers:
+        row = dict(workload=name, optimizer=opt_name, num_tensors=len(shapes), numel=numel, dtype=str(dtype))
+        if opt_name in SLOW and time.perf_counter() - T0 > args.deadline:
+            row["status"] = "skipped: this run's device-time deadline was reached"
+            rows.append(row)
+            print(f"  {opt_name:24s} {row['status']}", flush=True)
+            continue
+        if (opt_name, name) in SKIP:
+            row["status"] = "skipped: " + SKIP[(opt_name, name)]
+            rows.append(row)
+            print(f"  {opt_name:24s} {row['status']}", flush=True)
+            continue
+        # Fresh copies of the parameters so every optimizer starts from the same values.
+        ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g
+        try:
+            opt = OPTIMIZERS[opt_name](ps)
+            med, n, warm_s, ms = time_steps(opt, args.steps, args.warmup, args.time_budget)
+            sb = state_bytes(opt)
+            moved = sum(p.numel() * p.element_size() * 2 + g.numel() * g.element_size() for p, g in zip(ps, grads))
+            moved += 2 * sb
+            row.update(
+                status="ok",
+                median_ms=med,
+                steps_timed=n,
+                warmup_s=warm_s,
+                min_ms=min(ms),
+                state_bytes=sb,
+                state_bytes_per_param=sb / numel,
+                bytes_moved=moved,
+                floor_ms=moved / bw * 1e3,
+                floor_fraction=moved / bw * 1e3 / med,
+            )
+            print(
+                f"  {opt_name:24s} {med:9.3f} ms  (n={n}, floor {row['floor_ms']:.3f} ms, "
+                f"{row['floor_fraction'] * 100:5.1f}% of floor, {sb / numel:.2f} B/param)",
+                flush=True,
+            )
+        except Exception as e:  # a refusal is a result too (e.g. torch fused with bf16 states)
+            row["status"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            print(f"  {opt_name:24s} {row['status']}", flush=True)
+            if args.verbose:
+                traceback.print_exc()
+        rows.append(row)
+        del ps
+        opt = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    del params, grads
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def environment():
+    def version(mod):
+        try:
+            return __import__(mod).__version__
+        except Exception:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+            ).stdout.strip()
+        )
+    except Exception:
+        commit, dirty = None, None
+    if not commit or len(commit) != 40:  # no git history in the copy: the caller passes the commit
+        commit = os.environ.get("APEXW_COMMIT")
+        dirty = os.environ.get("APEXW_DIRTY", "unknown")
+    return dict(
+        gpu=torch.cuda.get_device_name(),
+        capability=".".join(map(str, torch.cuda.get_device_capability())),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        triton=version("triton"),
+        bitsandbytes=version("bitsandbytes"),
+        torchao=version("torchao"),
+        python=platform.python_version(),
+        git_commit=commit,
+        git_dirty=dirty,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+def tune(args, bw):
+    """Kernel tile variants (rows of 256 per program, warps, alignment hints) on the large workloads."""
+    from apexw_hf import reference as ref
+    from apexw_hf.kernels import LaunchPlan
+    from apexw_hf.optim import state as st
+
+    out = []
+    scal = ref.StepScalars.make(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10)
+    for wname in ("4x8192^2 fp32", "4x8192^2 bf16"):
+        shapes, dtype = WORKLOADS[wname]
+        ps = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+        gs = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
+        for fmt in ("compact", "8bit"):
+            states = [st.init_state(p, fmt) for p in ps]
+            sb = sum(st.state_tensor_bytes(s) - 4 for s in states)
+            moved = sum(p.numel() * p.element_size() * 3 for p in ps) + 2 * sb
+            for rows, warps, aligned in args.tune_configs[fmt]:
+                plan = LaunchPlan(ps, states, fmt, list(range(len(ps))), 0, dtype, rows=rows, num_warps=warps)
+                plan.set_grad_ptrs([g.data_ptr() for g in gs])
+                plan.static_aligned = aligned
+                fn = lambda plan=plan: plan.launch(step=10, scalars=scal, maximize=False, stochastic_param=True)  # noqa: E731
+                fn()
+                torch.cuda.synchronize()
+                ms = []
+                for _ in range(30):
+                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s.record()
+                    fn()
+                    e.record()
+                    ms.append((s, e))
+                torch.cuda.synchronize()
+                med = statistics.median(s.elapsed_time(e) for s, e in ms)
+                floor = moved / bw * 1e3
+                out.append(
+                    dict(
+                        workload=wname, fmt=fmt, rows=rows, warps=warps, aligned=aligned, median_ms=med, floor_ms=floor
+                    )
+                )
+                print(
+                    f"  tune {wname:16s} {fmt:8s} rows={rows:2d} warps={warps} aligned={aligned!s:5s} "
+                    f"{med:7.3f} ms  floor {floor:.3f} ({floor / med * 100:.0f}%)",
+                    flush=True,
+                )
+            del states
+        del ps, gs
+        torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="results JSON (default: print only)")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--time-budget", type=float, default=20.0, help="seconds of timed steps per optimizer at most")
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS))
+    ap.add_argument("--skip", nargs="*", default=[], help="optimizer names to leave out (recorded as skipped)")
+    ap.add_argument("--tune", action="store_true", help="time kernel tile variants first")
+    ap.add_argument("--bench", action="store_true", help="with --tune: then benchmark with the fastest tiles")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which remaining entries are skipped")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    args.tune_configs = {
+        "compact": [(4, 8, True), (2, 4, True), (8, 16, True), (2, 8, True)],
+        "8bit": [(4, 8, True), (2, 4, True), (8, 16, True), (2, 8, True), (1, 4, True), (1, 2, True)],
+    }
+
+    env = environment()
+    bw = copy_bandwidth()
+    env["copy_bandwidth_GBps"] = bw / 1e9
+    print(
+        f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  bnb {env['bitsandbytes']}  "
+        f"torchao {env['torchao']}  copy bandwidth {bw / 1e12:.2f} TB/s",
+        flush=True,
+    )
+    result = dict(environment=env, settings=dict(steps=args.steps, warmup=args.warmup, hyperparameters=HP), rows=[])
+    if args.tune:
+        result["tune"] = tune(args, bw)
+        from apexw_hf.kernels import launch
+
+        for fmt in ("compact", "8bit"):
+            for size, wname in ((4, "4x8192^2 fp32"), (2, "4x8192^2 bf16")):
+                cands = [t for t in result["tune"] if t["fmt"] == fmt and t["workload"] == wname and t["aligned"]]
+                best = min(cands, key=lambda t: t["median_ms"])
+                launch.LAUNCH_CONFIG[fmt][size] = (best["rows"], best["warps"])
+                if fmt == "compact":
+                    launch.LAUNCH_CONFIG["fp32"][size] = (best["rows"], best["warps"])
+        result["launch_config"] = {f: {str(k): v for k, v in c.items()} for f, c in launch.LAUNCH_CONFIG.items()}
+        print("launch config:", result["launch_config"], flush=True)
+    if not args.tune or args.bench:
+        for w in args.workloads:
+            shapes, dtype = WORKLOADS[w]
+            print(
+                f"{w}: {len(shapes)} tensors, {sum(torch.Size(s).numel() for s in shapes) / 1e6:.1f}M params",
+                flush=True,
+            )
+            opts = [o for o in args.optimizers if o not in args.skip]
+            result["rows"] += bench_workload(w, shapes, dtype, opts, args, bw)
+            for o in args.skip:
+                result["rows"].append(dict(workload=w, optimizer=o, status="skipped: left out of this run (--skip)"))
+            if args.out:  # partial results survive a timeout
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                args.out.write_text(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    # Short table last: ratios to torch fused.
+    fused = {r["workload"]: r.get("median_ms") for r in result["rows"] if r["optimizer"] == "torch_fused"}
+    print(f"\n{'workload':32s} {'optimizer':24s} {'ms':>9s} {'x fused':>8s} {'%floor':>7s}")
+    for r in result["rows"]:
+        if r.get("status") == "ok":
+            f = fused.get(r["workload"])
+            ratio = f / r["median_ms"] if f else float("nan")
+            print(
+                f"{r['workload']:32s} {r['optimizer']:24s} {r['median_ms']:9.3f} {ratio:8.2f} "
+                f"{r['floor_fraction'] * 100:6.0f}%"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Generate docs/step_benchmark.md and docs/step_benchmark.png from stored step-benchmark results.
+
+Every number in the outputs comes from the JSON files written by ``scripts/bench_step.py`` (default:
+``docs/results/step_*.json``); nothing is typed by hand.
+
+Usage::
+
+    python scripts/make_step_report.py [results.json ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+TARGETS = {  # issue 3: ratio to torch fused AdamW, same run
+    "4x8192^2 fp32": {"apexw_8bit": 1.9, "apexw_compact": 1.5},
+    "4x8192^2 bf16": {"apexw_8bit": 1.9, "apexw_compact": 1.4},
+    "Llama-3.2-1B shapes fp32": {"apexw_8bit": 1.8, "apexw_compact": 1.5},
+    "LoRA Llama-3.2-3B (392 fp32)": {"apexw_8bit": 6.0, "apexw_compact": 6.0},
+    "5000x4096 fp32": {"apexw_8bit": 10.0, "apexw_compact": 10.0},
+}
+
+
+def _fmt_ms(r):
+    return f"{r['median_ms']:.3f}" if r.get("status") == "ok" else "-"
+
+
+def report(path: Path) -> tuple[str, dict]:
+    data = json.loads(path.read_text())
+    env = data["environment"]
+    rows = data["rows"]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in rows))
+    by = {(r["workload"], r["optimizer"]): r for r in rows}
+    lines = [
+        f"### {path.name}: {env['gpu']}",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
+        f"torchao {env['torchao']}, Python {env['python']}; commit `{env['git_commit']}`"
+        f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}; {env['date']}; "
+        f"measured copy bandwidth {env['copy_bandwidth_GBps'] / 1e3:.2f} TB/s.",
+        f"Median of {data['settings']['steps']} steps after {data['settings']['warmup']} warm-up steps unless the "
+        "row says fewer (slow baselines are capped at a time budget); `x fused` = torch fused time / this time; "
+        "`floor` = bytes the step must move (params and grads read, params and states written back) / copy bandwidth.",
+        "",
+    ]
+    if data.get("launch_config"):
+        lines += [f"Kernel tiles used (rows of 256, warps) by format and param bytes: `{data['launch_config']}`", ""]
+    for w in workloads:
+        fused = by.get((w, "torch_fused"), {}).get("median_ms")
+        first = next(r for r in rows if r["workload"] == w)
+        lines += [
+            f"#### {w} ({first['num_tensors']} tensors, {first['numel'] / 1e6:.1f}M params)",
+            "",
+            "| optimizer | ms/step | x fused | floor ms | % of floor | state B/param | steps timed |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for o in optimizers:
+            r = by.get((w, o))
+            if r is None:
+                continue
+            if r.get("status") != "ok":
+                lines.append(f"| {o} | {r['status']} | | | | | |")
+                continue
+            ratio = fused / r["median_ms"] if fused else float("nan")
+            lines.append(
+                f"| {o} | {r['median_ms']:.3f} | {ratio:.2f} | {r['floor_ms']:.3f} | {r['floor_fraction'] * 100:.0f}% "
+                f"| {r['state_bytes_per_param']:.2f} | {r['steps_timed']} |"
+            )
+        lines.append("")
+    # Targets of issue 3.
+    lines += [
+        "#### Targets of issue 3 (ratio to torch fused, forced kernel)",
+        "",
+        "| workload | apexw_8bit | target | apexw_compact | target |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for w, t in TARGETS.items():
+        fused = by.get((w, "torch_fused"), {}).get("median_ms")
+        cells = []
+        for fmt in ("apexw_8bit", "apexw_compact"):
+            r = by.get((w, fmt + "_triton"), {})
+            ok = r.get("status") == "ok" and fused
+            cells += [f"{fused / r['median_ms']:.2f}" if ok else "-", f">= {t[fmt]}"]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines.append("")
+    notes = path.with_suffix(".notes.md")
+    if notes.exists():  # analysis written by a person about this run, kept beside its numbers
+        lines += [f"#### Notes on this run ({notes.name})", "", notes.read_text().strip(), ""]
+    return "\n".join(lines), data
+
+
+def plot(datas, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = datas[-1]
+    rows = [r for r in data["rows"] if r.get("status") == "ok"]
+    workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
+    optimizers = list(dict.fromkeys(r["optimizer"] for r in data["rows"]))
+    by = {(r["workload"], r["optimizer"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(13, 5))
+    width = 0.8 / len(optimizers)
+    colors = plt.get_cmap("tab20").colors
+    for j, o in enumerate(optimizers):
+        xs, ys = [], []
+        for i, w in enumerate(workloads):
+            fused = by.get((w, "torch_fused"))
+            r = by.get((w, o))
+            if r and fused:
+                xs.append(i + (j - len(optimizers) / 2) * width)
+                ys.append(fused["median_ms"] / r["median_ms"])
+        ax.bar(xs, ys, width, label=o, color=colors[j % len(colors)])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads, rotation=15, fontsize=8)
+    ax.set_ylabel("speed vs torch fused AdamW (x, log)")
+    ax.set_title(f"Optimizer step, {data['environment']['gpu']} (higher is faster)")
+    ax.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv):
+    paths = [Path(a) for a in argv] or sorted((DOCS / "results").glob("step_*.json"))
+    if not paths:
+        sys.exit("no results: run scripts/bench_step.py --out docs/results/step_<gpu>.json first")
+    parts = [
+        "# Optimizer step benchmark",
+        "",
+        "Generated by `scripts/make_step_report.py` from the JSON files in `docs/results/` "
+        "(written by `scripts/bench_step.py`). Do not edit by hand.",
+        "",
+    ]
+    datas = []
+    for p in paths:
+        text, data = report(p)
+        parts.append(text)
+        datas.append(data)
+    parts += ["![step benchmark](step_benchmark.png)", ""]
+    (DOCS / "step_benchmark.md").write_text("\n".join(parts))
+    plot(datas, DOCS / "step_benchmark.png")
+    print(f"wrote {DOCS / 'step_benchmark.md'} and {DOCS / 'step_benchmark.png'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

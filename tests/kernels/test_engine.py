@@ -1,0 +1,173 @@
+"""ApexW with engine="triton" against engine="torch": same bits through groups, missing grads, dtype changes."""
+
+import pytest
+import torch
+
+from apexw_hf.optim import ApexW
+
+from .helpers import DEVICE, mismatch, same_bits
+
+
+def _params():
+    gen = torch.Generator().manual_seed(1)
+    spec = [
+        ((300,), torch.float32),
+        ((17, 33), torch.bfloat16),
+        ((5,), torch.float16),
+        ((1000,), torch.float32),
+        ((64,), torch.float32),
+        ((9,), torch.float32),
+    ]
+    ps = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dt).to(DEVICE)) for s, dt in spec]
+    ps[5].requires_grad_(False)  # frozen: never a grad, never state
+    for p in ps:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # torch >= 2.10 checks grad dtype against the param's unless told otherwise
+    return ps
+
+
+def _grads(steps):
+    gen = torch.Generator().manual_seed(2)
+    shapes = [p.shape for p in _params()]
+    out = []
+    for step in range(steps):
+        row = []
+        for i in range(5):
+            dtype = torch.bfloat16 if (i == 3 and step >= 2) else torch.float32
+            g = torch.randn(shapes[i], generator=gen).to(dtype).to(DEVICE)
+            row.append(None if (i == 1 and step in (1, 2)) or (i == 4 and step == 0) else g)
+        out.append(row)
+    return out
+
+
+def _optimizer(ps, engine, fmt):
+    return ApexW(
+        [{"params": ps[:3]}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.99)}],
+        lr=1e-2,
+        state_format=fmt,
+        engine=engine,
+        seed=7,
+    )
+
+
+def _run(ps, opt, grads):
+    for row in grads:
+        for p, g in zip(ps, row):
+            p.grad = None if g is None else g.clone()
+        for group in opt.param_groups:
+            group["lr"] *= 0.9  # a schedule: new lr every step
+        opt.step()
+
+
+def _assert_same(pa, oa, pb, ob):
+    for i, (a, b) in enumerate(zip(pa, pb)):
+        assert same_bits(a, b), f"param {i}: {mismatch(a, b)}"
+        sa, sb = oa.state.get(a, {}), ob.state.get(b, {})
+        assert set(sa) == set(sb)
+        for key in sa:
+            assert same_bits(sa[key], sb[key]), f"{key} of param {i}: {mismatch(sa[key], sb[key])}"
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+def test_engine_matches_torch_path(fmt):
+    grads = _grads(5)
+    pa, pb = _params(), _params()
+    oa, ob = _optimizer(pa, "torch", fmt), _optimizer(pb, "triton", fmt)
+    _run(pa, oa, grads)
+    _run(pb, ob, grads)
+    _assert_same(pa, oa, pb, ob)
+    assert [float(ob.state[p]["step"]) for p in pb[:5]] == [5.0, 3.0, 5.0, 5.0, 4.0]
+    assert not ob.state.get(pb[5])
+
+
+def test_engine_resume_from_state_dict():
+    """k steps, state_dict, fresh optimizer, continue: equal to an unbroken run, bit for bit."""
+    grads = _grads(6)
+    pa = _params()
+    oa = _optimizer(pa, "triton", "8bit")
+    _run(pa, oa, grads)
+    pb = _params()
+    ob = _optimizer(pb, "triton", "8bit")
+    _run(pb, ob, grads[:3])
+    sd = ob.state_dict()
+    pc = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in pb]
+    for p in pc:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+    oc = _optimizer(pc, "triton", "8bit")
+    oc.load_state_dict(sd)
+    _run(pc, oc, grads[3:])
+    _assert_same(pa, oa, pc, oc)
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    import apexw_hf.kernels as k
+
+    monkeypatch.setattr(k, "INTERPRETED", False)
+    if DEVICE != "cpu":
+        pytest.skip("CPU-only check")
+    import apexw_hf.kernels.launch  # noqa: F401
+
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    opt = ApexW([p], engine="triton")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+
+
+def _compiled_kernels() -> int | None:
+    from apexw_hf.kernels.adamw import _adamw_kernel
+
+    caches = getattr(_adamw_kernel, "device_caches", None)
+    if caches is None:
+        return None
+    return sum(len(c[0]) for c in caches.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+def test_gpu_matches_cpu_reference_without_recompiles(fmt):
+    """Kernels on the GPU give the bits of the plain-PyTorch path on the CPU; an lr schedule compiles nothing new."""
+    if DEVICE != "cuda":
+        pytest.skip("needs the compiled kernels on a GPU")
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(4097,), (3, 1000), (1,), (512, 16)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    oc = ApexW(cpu, lr=1e-3, state_format=fmt, engine="torch", seed=11)
+    og = ApexW(gpu, lr=1e-3, state_format=fmt, engine="triton", seed=11)
+    counts = []
+    for step in range(6):
+        for pc, pg in zip(cpu, gpu):
+            pc.grad = torch.randn(pc.shape, generator=gen)
+            pg.grad = pc.grad.cuda()
+        for o in (oc, og):
+            o.param_groups[0]["lr"] = 1e-3 * (0.5 + step / 7)
+        oc.step()
+        og.step()
+        counts.append(_compiled_kernels())
+    for i, (a, b) in enumerate(zip(cpu, gpu)):
+        assert same_bits(a.detach(), b.detach().cpu()), f"param {i}: {mismatch(a.detach(), b.detach().cpu())}"
+        for key, v in oc.state[a].items():
+            assert same_bits(v, og.state[b][key].cpu()), f"{key} of param {i}"
+    if counts[0] is not None:
+        assert counts[1:] == counts[:-1], f"kernels compiled per step: {counts}"
+
+
+def test_fast_step_scalars_match_reference():
+    import random
+
+    from apexw_hf import reference as ref
+    from apexw_hf.optim.engine import step_scalars
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        hp = dict(
+            lr=10 ** rng.uniform(-8, 0),
+            beta1=rng.choice([0.0, 0.9, rng.random()]),
+            beta2=rng.choice([0.999, 0.95, rng.random()]),
+            eps=10 ** rng.uniform(-12, -4),
+            weight_decay=rng.choice([0.0, 0.01, rng.random()]),
+            step=rng.randint(1, 10**6),
+        )
+        assert step_scalars(**hp) == ref.StepScalars.make(**hp), hp
