@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -76,8 +77,13 @@ TWO_POW_M24 = 2.0**-24
 
 
 def _f32(x: float) -> float:
-    """Round a Python float to the nearest fp32 value (kept as a Python float, exactly representable in fp32)."""
-    return torch.tensor(x, dtype=torch.float32).item()
+    """Round a Python float to the nearest fp32 value (kept as a Python float, exactly representable in fp32).
+
+    numpy's C double -> float cast (round to nearest even, overflow to inf) is the one torch applies to scalars; it
+    costs no tensor, which matters in the kernels' per-step host work.
+    """
+    with np.errstate(over="ignore"):
+        return float(np.float32(x))
 
 
 @dataclass(frozen=True)

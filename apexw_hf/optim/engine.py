@@ -31,7 +31,6 @@ No host-device synchronization happens in a step.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import numpy as np
@@ -44,29 +43,6 @@ from . import dtensor as dt
 def _float(name: str, value) -> float:
     # A one-element CUDA tensor would synchronize here; the optimizer documents lr as read once per step.
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
-
-
-def _f32(x: float) -> float:
-    # Same C double -> float cast (round to nearest even, overflow to inf) as reference._f32, without a tensor.
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
-
-
-def step_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int):
-    """``reference.StepScalars.make`` with the same Python double math, rounded to fp32 without creating tensors
-    (about 30x cheaper; tests/kernels/test_engine.py checks that both agree)."""
-    bc1 = 1.0 - beta1**step
-    bc2 = 1.0 - beta2**step
-    return ref.StepScalars(
-        beta1=_f32(beta1),
-        beta2=_f32(beta2),
-        one_minus_beta1=_f32(1.0 - beta1),
-        one_minus_beta2=_f32(1.0 - beta2),
-        decay=_f32(1.0 - lr * weight_decay),
-        step_size=_f32(lr / bc1),
-        inv_bc2_sqrt=_f32(1.0 / math.sqrt(bc2)),
-        eps=_f32(eps),
-    )
 
 
 class _GroupCache:
@@ -230,10 +206,10 @@ class TritonEngine:
         )
         uniform = lo == hi
         if uniform:
-            scalars = step_scalars(step=lo, **hp)
+            scalars = ref.StepScalars.make(step=lo, **hp)
         else:
             # Python float math per distinct step count, exactly as the reference computes it.
-            table = {int(t): step_scalars(step=int(t), **hp) for t in np.unique(stepping)}
+            table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
             scalars = table[lo]
         for plan, slots, slots_np in cache.plans:
             plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
