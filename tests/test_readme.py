@@ -7,7 +7,7 @@ README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_readme_python_blocks_run():
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)  # "```python notest": not run
     assert blocks, "the README has a usage example"
     for code in blocks:
         exec(compile(code, str(README), "exec"), {})

@@ -1,0 +1,357 @@
+"""``optim="apexw_8bit"`` / ``"apexw_compact"`` for ``transformers.TrainingArguments`` and everything built on it.
+
+transformers has no public registry of optimizer names: ``TrainingArguments.__post_init__`` turns ``optim`` into the
+closed enum ``OptimizerNames`` (an unknown string fails there, before any Trainer exists), ``HfArgumentParser`` takes
+its ``--optim`` choices from that enum when a parser is built, and the Trainer resolves a name to a class through
+``transformers.trainer_optimizer._OPTIMIZER_HANDLERS`` (transformers >= 5.2) or the ``if``/``elif`` chain of
+``Trainer.get_optimizer_cls_and_kwargs`` (older releases). :func:`register` therefore
+
+1. adds the members ``APEXW_8BIT = "apexw_8bit"`` and ``APEXW_COMPACT = "apexw_compact"`` to ``OptimizerNames``
+   (so TRL's ``SFTConfig``, Unsloth's ``UnslothTrainingArguments``, JSON/YAML configs, ``--optim`` and a pickled
+   ``training_args.bin`` accept them), and makes the enum's error for a misspelled ``apexw`` name list the valid
+   ones;
+2. validates ``optim_args`` and rejects a DeepSpeed config that brings its own optimizer in
+   ``TrainingArguments.__post_init__``, i.e. when the arguments are built, not minutes later in ``train()``;
+3. adds a handler to ``_OPTIMIZER_HANDLERS`` or, before 5.2, wraps ``Trainer.get_optimizer_cls_and_kwargs``.
+
+Every step is idempotent (markers live on the transformers objects themselves, so a re-imported ``apexw_hf`` does
+not wrap twice). Users who prefer no patching at all can pass ``optimizer_cls_and_kwargs=(ApexW8bit, {...})`` to the
+Trainer; see ``docs/integration.md``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import json
+import os
+from typing import Any
+
+__all__ = [
+    "APEXW_OPTIMIZERS",
+    "OPTIM_ARGS",
+    "parse_optim_args",
+    "get_optimizer_cls_and_kwargs",
+    "register",
+    "register_optimizer_names",
+    "register_optimizer_handler",
+]
+
+# optim name -> (OptimizerNames member name, state_format). "fp32" state gets no name of its own: it is the
+# reference format for A/B tests, reachable as optim_args="state_format=fp32", and plain AdamW has names already.
+APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
+    "apexw_8bit": ("APEXW_8BIT", "8bit"),
+    "apexw_compact": ("APEXW_COMPACT", "compact"),
+}
+
+_STATE_FORMATS = ("compact", "8bit", "fp32")
+_ENGINES = ("auto", "triton", "torch")
+_PARAM_ROUNDINGS = ("stochastic", "nearest")
+_TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
+
+# optim_args key -> help text (allowed values). Hyperparameters that TrainingArguments already owns are refused
+# with a pointer to their field, so there is one place for each setting.
+# (state_format overrides the format the optim name selects; seed seeds the stochastic-rounding streams.)
+OPTIM_ARGS: dict[str, str] = {
+    "state_format": "compact|8bit|fp32",
+    "seed": "<int in [0, 2**32)>",
+    "engine": "auto|triton|torch",
+    "param_rounding": "stochastic|nearest",
+    "maximize": "true|false",
+}
+_OWNED_BY_TRAINING_ARGS = {
+    "lr": "learning_rate",
+    "learning_rate": "learning_rate",
+    "betas": "adam_beta1 / adam_beta2",
+    "beta1": "adam_beta1",
+    "beta2": "adam_beta2",
+    "eps": "adam_epsilon",
+    "weight_decay": "weight_decay",
+}
+
+
+def _is_apexw(optim: Any) -> bool:
+    return isinstance(optim, str) and str(getattr(optim, "value", optim)) in APEXW_OPTIMIZERS
+
+
+def _name_of(optim: Any) -> str:
+    return str(getattr(optim, "value", optim))
+
+
+def _convert(key: str, raw: str) -> Any:
+    low = raw.strip().lower()
+    if key in ("state_format", "engine", "param_rounding"):
+        allowed = {"state_format": _STATE_FORMATS, "engine": _ENGINES, "param_rounding": _PARAM_ROUNDINGS}[key]
+        if low not in allowed:
+            raise ValueError(f"optim_args: {key}={raw!r} is not allowed; {key} must be one of {', '.join(allowed)}")
+        return low
+    if key == "seed":
+        try:
+            seed = int(low, 0)
+        except ValueError:
+            seed = -1
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"optim_args: seed={raw!r} is not allowed; seed must be an int in [0, 2**32)")
+        return seed
+    if key == "maximize":
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"optim_args: maximize={raw!r} is not allowed; maximize must be true or false")
+    raise AssertionError(key)
+
+
+def parse_optim_args(optim_args: str | dict | None, optim: str = "apexw_8bit") -> dict[str, Any]:
+    """Parse and validate ``optim_args`` for an ApexW optim name.
+
+    Args:
+        optim_args: ``"key=value,key=value"`` (the ``TrainingArguments.optim_args`` format), a dict, or ``None``.
+        optim: the optim name, for error messages.
+
+    Returns:
+        Keyword arguments for the ApexW constructor, with typed values.
+
+    Raises:
+        ValueError: naming the malformed item or the unknown key, and listing the allowed keys and values.
+
+    Example:
+        >>> parse_optim_args("engine=torch, seed=3")
+        {'engine': 'torch', 'seed': 3}
+    """
+    allowed = ", ".join(f"{k}={v}" for k, v in OPTIM_ARGS.items())
+    if optim_args is None or optim_args == "":
+        return {}
+    if isinstance(optim_args, dict):
+        items = [(str(k), str(v)) for k, v in optim_args.items()]
+    elif isinstance(optim_args, str):
+        items = []
+        for item in optim_args.split(","):
+            if not item.strip():
+                continue
+            if item.count("=") != 1 or not item.split("=")[0].strip():
+                raise ValueError(
+                    f"optim_args for optim={optim!r}: cannot parse {item.strip()!r}; expected 'key=value' items "
+                    f"separated by commas, e.g. 'engine=torch,seed=1'. Allowed keys: {allowed}"
+                )
+            key, value = item.split("=")
+            items.append((key.strip(), value.strip()))
+    else:
+        raise TypeError(f"optim_args must be a 'key=value,...' string or a dict, got {type(optim_args).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in items:
+        if key in _OWNED_BY_TRAINING_ARGS:
+            raise ValueError(
+                f"optim_args for optim={optim!r}: {key!r} is set through TrainingArguments "
+                f"({_OWNED_BY_TRAINING_ARGS[key]}), not optim_args. Allowed keys: {allowed}"
+            )
+        if key not in OPTIM_ARGS:
+            close = difflib.get_close_matches(key, list(OPTIM_ARGS), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"optim_args for optim={optim!r}: unknown key {key!r}.{hint} Allowed keys: {allowed}")
+        if key in out:
+            raise ValueError(f"optim_args for optim={optim!r}: {key!r} is given twice")
+        out[key] = _convert(key, value)
+    return out
+
+
+def _optimizer_class(name: str):
+    from ..optim import ApexW8bit, ApexWCompact
+
+    return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact}[name]
+
+
+def get_optimizer_cls_and_kwargs(args) -> tuple[type, dict[str, Any]]:
+    """The ``(optimizer class, kwargs)`` pair the Trainer builds for an ApexW ``optim`` name.
+
+    ``lr``, ``betas``, ``eps`` and ``weight_decay`` come from the ``TrainingArguments`` (the Trainer's param groups
+    then set ``weight_decay=0`` for biases and norms, as for every optimizer); ``optim_args`` add the ApexW options.
+    """
+    name = _name_of(args.optim)
+    if name not in APEXW_OPTIMIZERS:
+        raise ValueError(f"{name!r} is not an ApexW optim name; ApexW names: {', '.join(APEXW_OPTIMIZERS)}")
+    kwargs: dict[str, Any] = {
+        "lr": args.learning_rate,
+        "betas": (args.adam_beta1, args.adam_beta2),
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "state_format": APEXW_OPTIMIZERS[name][1],
+    }
+    kwargs.update(parse_optim_args(args.optim_args, name))
+    return _optimizer_class(name), kwargs
+
+
+# ---- checks at TrainingArguments time ------------------------------------------------------------------------
+
+
+def _deepspeed_optimizer(ds: Any) -> str | None:
+    """The ``optimizer.type`` of a DeepSpeed config (dict, JSON string or path), or None if it has none."""
+    if ds is None or ds == "":
+        return None
+    config = ds
+    if not isinstance(ds, dict):
+        cfg = getattr(ds, "config", None)  # an HfDeepSpeedConfig object
+        if isinstance(cfg, dict):
+            config = cfg
+        elif isinstance(ds, str) and os.path.isfile(ds):
+            with open(ds, encoding="utf-8") as f:
+                config = json.load(f)
+        elif isinstance(ds, str) and ds.lstrip().startswith("{"):
+            config = json.loads(ds)
+        else:
+            return None  # let transformers report a config it cannot read
+    opt = config.get("optimizer") if isinstance(config, dict) else None
+    if not opt:
+        return None
+    return str(opt.get("type", "?")) if isinstance(opt, dict) else str(opt)
+
+
+def check_training_args(args) -> None:
+    """Raise a clear error for ApexW settings that cannot work; called from ``TrainingArguments.__post_init__``."""
+    if not _is_apexw(args.optim):
+        return
+    name = _name_of(args.optim)
+    parse_optim_args(args.optim_args, name)
+    ds_type = _deepspeed_optimizer(getattr(args, "deepspeed", None))
+    if ds_type is not None:
+        raise ValueError(
+            f"optim={name!r} cannot be used with this DeepSpeed config: it defines its own optimizer "
+            f"(optimizer.type={ds_type!r}), and DeepSpeed then builds that optimizer and ignores `optim`. Remove the "
+            "'optimizer' section from the DeepSpeed config so that the Trainer builds ApexW and hands it to DeepSpeed "
+            "as a client optimizer (not tested by apexw_hf), or drop `optim` to use DeepSpeed's optimizer."
+        )
+
+
+# ---- registration --------------------------------------------------------------------------------------------
+
+
+def _add_enum_member(cls: type[enum.Enum], name: str, value: str) -> None:
+    """Add a member to an existing ``str`` Enum in place (what ``aenum.extend_enum`` does), Python 3.10-3.14."""
+    if value in cls._value2member_map_:
+        return
+    member = str.__new__(cls, value)
+    member._name_ = name
+    member._value_ = value
+    member.__objclass__ = cls
+    member._sort_order_ = len(cls._member_names_)
+    add = getattr(cls, "_add_member_", None)  # Python >= 3.13
+    if add is not None:
+        add(name, member)
+    else:
+        cls._member_names_.append(name)
+        cls._member_map_[name] = member
+        type.__setattr__(cls, name, member)
+    if name not in cls._member_names_:
+        cls._member_names_.append(name)
+    cls._value2member_map_[value] = member
+
+
+def _already_wrapped(fn) -> bool:
+    """Whether apexw_hf's wrapper is anywhere in ``fn``'s ``__wrapped__`` chain (others may have wrapped ours)."""
+    for _ in range(32):
+        fn = getattr(fn, "__func__", fn)
+        if fn is None:
+            return False
+        if getattr(fn, "_apexw_wrapped", False):
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
+def _make_missing(original):
+    def _missing_(cls, value):
+        if isinstance(value, str):
+            close = difflib.get_close_matches(value.lower(), list(APEXW_OPTIMIZERS), n=1, cutoff=0.6)
+            if close or value.lower().startswith(("apex", "apexw")):
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"{value!r} is not a valid {cls.__name__}.{hint} The ApexW optimizers registered by apexw_hf "
+                    f"are: {', '.join(repr(n) for n in APEXW_OPTIMIZERS)}."
+                )
+        return original(cls, value)
+
+    _missing_._apexw_original = original
+    return classmethod(_missing_)
+
+
+def register_optimizer_names(training_args_module=None) -> None:
+    """Add the ApexW names to ``OptimizerNames`` and the ApexW checks to ``TrainingArguments.__post_init__``."""
+    if training_args_module is None:
+        import transformers.training_args as training_args_module
+    OptimizerNames = training_args_module.OptimizerNames
+    TrainingArguments = training_args_module.TrainingArguments
+    for value, (member, _) in APEXW_OPTIMIZERS.items():
+        _add_enum_member(OptimizerNames, member, value)
+    if not getattr(OptimizerNames._missing_, "_apexw_original", None):
+        type.__setattr__(OptimizerNames, "_missing_", _make_missing(OptimizerNames._missing_.__func__))
+
+    post_init = TrainingArguments.__post_init__
+    if not _already_wrapped(post_init):
+
+        def __post_init__(self, *a, **kw):
+            check_training_args(self)
+            return post_init(self, *a, **kw)
+
+        __post_init__._apexw_wrapped = True
+        __post_init__.__wrapped__ = post_init
+        __post_init__.__doc__ = post_init.__doc__
+        TrainingArguments.__post_init__ = __post_init__
+
+
+def _handler(ctx):
+    """``_OPTIMIZER_HANDLERS`` entry (transformers >= 5.2)."""
+    return get_optimizer_cls_and_kwargs(ctx.args)
+
+
+def register_optimizer_handler(trainer_optimizer_module=None, trainer_module=None) -> None:
+    """Make the Trainer resolve the ApexW names: a handler (>= 5.2) or a wrapped ``get_optimizer_cls_and_kwargs``."""
+    import transformers.training_args as training_args
+
+    register_optimizer_names(training_args)
+    handlers = None
+    if trainer_optimizer_module is None and trainer_module is None:
+        try:
+            import transformers.trainer_optimizer as trainer_optimizer_module
+        except ImportError:
+            trainer_optimizer_module = None
+    if trainer_optimizer_module is not None:
+        handlers = getattr(trainer_optimizer_module, "_OPTIMIZER_HANDLERS", None)
+    if isinstance(handlers, dict):
+        for value in APEXW_OPTIMIZERS:
+            handlers[training_args.OptimizerNames(value)] = _handler
+        return
+    if trainer_module is None:
+        import transformers.trainer as trainer_module
+    Trainer = trainer_module.Trainer
+    original = Trainer.__dict__["get_optimizer_cls_and_kwargs"]
+    if _already_wrapped(original):
+        return
+    original_fn = original.__func__ if isinstance(original, staticmethod) else original
+
+    def get_optimizer_cls_and_kwargs_(args, model=None):
+        if _is_apexw(args.optim):
+            return get_optimizer_cls_and_kwargs(args)
+        return original_fn(args, model)
+
+    get_optimizer_cls_and_kwargs_._apexw_wrapped = True
+    get_optimizer_cls_and_kwargs_.__wrapped__ = original_fn
+    get_optimizer_cls_and_kwargs_.__doc__ = original_fn.__doc__
+    Trainer.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs_)
+
+
+def register() -> None:
+    """Register the ApexW optim names with transformers now (imports transformers; idempotent)."""
+    import transformers.training_args as training_args
+
+    register_optimizer_names(training_args)
+    register_optimizer_handler()
+
+
+def is_registered() -> bool:
+    """Whether ``OptimizerNames`` knows the ApexW names in this process (does not import transformers)."""
+    import sys
+
+    mod = sys.modules.get("transformers.training_args")
+    if mod is None:
+        return False
+    return all(v in mod.OptimizerNames._value2member_map_ for v in APEXW_OPTIMIZERS)

@@ -1,0 +1,375 @@
+"""``apexw-compare``: the optimizer comparison grid (optimizers x learning rates x seeds), one process per run.
+
+With no arguments it runs the embedded offline default (``apexw_hf/configs/offline_default.yaml``): a small Llama,
+the shipped instruction set, on the CPU, in a few minutes. Give a config path (or a shipped config's name) for
+anything else, e.g. ``apexw-compare configs/llama32_3b_t4.yaml``.
+
+Each run is a fresh ``python -m apexw_hf.recipe.finetune`` process, so peak-memory numbers belong to that run alone.
+The runner shows progress, keeps each run's JSON and log under ``<output_dir>/runs/``, and writes:
+
+* ``results.csv``: one row per run;
+* ``summary.md``: the table shaped like the published one (peak memory, optimizer-state MiB, steps/s, final train
+  loss per learning rate) plus held-out validation loss, as mean +- std over seeds, and Welch's t-test of each
+  optimizer against the baseline (``compare.baseline``);
+* ``loss_curves.png``: training loss against step, mean over seeds, one panel per learning rate.
+
+``--report-only`` rebuilds those three files from the run JSONs already in ``<output_dir>/runs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .config import RecipeConfig, load_config
+from .report import write_reports
+
+__all__ = ["main", "plan_grid", "run_grid"]
+
+
+def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
+    """All runs, seed-major (a grid stopped early by ``max_minutes`` still has whole seeds of every optimizer)."""
+    return [
+        {"optim": o, "lr": lr, "seed": s, "name": f"{o}_lr{lr:g}_seed{s}"}
+        for s in cfg.compare.seeds
+        for lr in cfg.compare.learning_rates
+        for o in cfg.compare.optimizers
+    ]
+
+
+def _child_env(cfg: RecipeConfig) -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    threads = cfg.train.torch_threads
+    if threads > 0:
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.setdefault(var, str(threads))
+    # run from a source checkout: the children must import this tree (an installed package needs nothing)
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file():
+        env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+_CHILDREN: set[subprocess.Popen] = set()
+_STOP = threading.Event()
+
+
+def _run_child(args: list[str], log: Path, env: dict[str, str]) -> int:
+    env = dict(env, APEXW_LAUNCH_TIME=repr(time.time()))
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apexw_hf.recipe.finetune", *args], stdout=fh, stderr=subprocess.STDOUT, env=env
+        )
+        _CHILDREN.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            _CHILDREN.discard(proc)
+
+
+def _stop_children() -> None:
+    """Terminate the runs still going (Ctrl-C or an error in the runner must not leave them behind)."""
+    _STOP.set()
+    for proc in list(_CHILDREN):
+        proc.terminate()
+    for proc in list(_CHILDREN):
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+
+
+def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list[dict[str, Any]]:
+    """Prepare the shared base once, then run every grid cell in its own process; return the result dicts."""
+    env = _child_env(cfg)
+    runs_dir = out / "runs"
+    if runs_dir.exists():  # results of an earlier grid in this directory must not mix into this one's report
+        shutil.rmtree(runs_dir)
+    runs_dir.mkdir(parents=True)
+    t0 = time.time()
+    print(f"[apexw-compare] preparing the shared base model/tokenizer in {out}/base ...", flush=True)
+    rc = _run_child(
+        ["--config", str(config_path), "--output-dir", str(out), "--prepare-only"], out / "prepare.log", env
+    )
+    if rc != 0:
+        raise RuntimeError(
+            f"preparing the base model failed (exit {rc}); log {out / 'prepare.log'}:\n{_tail(out / 'prepare.log')}"
+        )
+    print(f"[apexw-compare] base ready in {time.time() - t0:.1f} s", flush=True)
+    if cfg.compare.warmup_run:
+        tw = time.time()
+        wdir = out / "warmup"
+        wdir.mkdir(exist_ok=True)
+        rc = _run_child(
+            [
+                "--config",
+                str(config_path),
+                "--output-dir",
+                str(wdir),
+                "--optim",
+                cfg.compare.optimizers[0],
+                "--set",
+                "train.max_steps=5",
+                "--set",
+                "data.validation_samples=0",
+                "--prepared",
+                str(out / "prepared_paths.json"),
+            ],
+            wdir / "log.txt",
+            env,
+        )
+        print(
+            f"[apexw-compare] warm-up run (fills compile caches, not reported): exit {rc}, {time.time() - tw:.1f} s",
+            flush=True,
+        )
+    grid = plan_grid(cfg)
+    n = len(grid)
+    results: list[dict[str, Any] | None] = [None] * n
+    done = 0
+    durations: list[float] = []
+    budget = cfg.compare.max_minutes * 60
+    failed_first: list[str] = []
+
+    def one(i: int) -> None:
+        nonlocal done
+        if _STOP.is_set():
+            return
+        cell = grid[i]
+        if cfg.compare.fail_fast and failed_first:
+            results[i] = {
+                "status": "not run",
+                "reason": "the first run failed (compare.fail_fast)",
+                "optimizer": cell["optim"],
+                "learning_rate": cell["lr"],
+                "seed": cell["seed"],
+            }
+            return
+        if budget > 0 and time.time() - t0 > budget:
+            results[i] = {
+                "status": "not run",
+                "reason": f"compare.max_minutes={cfg.compare.max_minutes} reached",
+                "optimizer": cell["optim"],
+                "learning_rate": cell["lr"],
+                "seed": cell["seed"],
+            }
+            print(f"[apexw-compare] [{i + 1}/{n}] {cell['name']}: not run (time budget used)", flush=True)
+            return
+        run_dir = runs_dir / cell["name"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        ts = time.time()
+        rc = _run_child(
+            [
+                "--config",
+                str(config_path),
+                "--output-dir",
+                str(run_dir),
+                "--optim",
+                cell["optim"],
+                "--lr",
+                repr(cell["lr"]),
+                "--seed",
+                str(cell["seed"]),
+                "--prepared",
+                str(out / "prepared_paths.json"),
+            ],
+            run_dir / "log.txt",
+            env,
+        )
+        dt = time.time() - ts
+        res_path = run_dir / "result.json"
+        if res_path.is_file():
+            res = json.loads(res_path.read_text())
+        else:
+            why = f"killed by signal {-rc} before it finished" if rc < 0 else f"exit code {rc}, no result file"
+            res = {
+                "status": "failed",
+                "reason": why,
+                "optimizer": cell["optim"],
+                "learning_rate": cell["lr"],
+                "seed": cell["seed"],
+            }
+        res["run_name"], res["process_seconds"] = cell["name"], round(dt, 2)
+        results[i] = res
+        if done == 0 and res["status"] == "failed":
+            failed_first.append(cell["name"])
+        durations.append(dt)
+        done += 1
+        left = n - done
+        eta = (sum(durations) / len(durations)) * left / max(1, jobs)
+        if res["status"] == "ok":
+            v = res.get("validation_loss")
+            what = (
+                f"loss {res['initial_train_loss']:.3f} -> {res['final_train_loss']:.3f}, val "
+                f"{'n/a' if v is None else f'{v:.3f}'}, {res['steps_per_s']:.2f} steps/s, state "
+                f"{res['optimizer_state_mib']:.3f} MiB"
+            )
+        else:
+            what = f"{res['status'].upper()}: {res.get('reason', '')}"
+            if res["status"] == "failed":
+                what += f"\n{_tail(run_dir / 'log.txt')}"
+        print(
+            f"[apexw-compare] [{done}/{n}] {cell['name']} ({dt:.1f} s): {what}  | elapsed "
+            f"{time.time() - t0:.0f} s, ~{eta:.0f} s left",
+            flush=True,
+        )
+        res_path.write_text(json.dumps(res, indent=1, default=str))
+
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        for fut in [pool.submit(one, i) for i in range(n)]:
+            fut.result()
+    except BaseException:
+        _STOP.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        _stop_children()
+        raise
+    pool.shutdown()
+    return [r for r in results if r is not None]
+
+
+def _load_results(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*/result.json"))]
+
+
+_NEEDS = ("transformers", "peft", "accelerate", "datasets", "tokenizers", "yaml", "matplotlib")
+
+
+def _check_dependencies() -> None:
+    missing = [m for m in _NEEDS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(
+            f"apexw-compare needs {', '.join('pyyaml' if m == 'yaml' else m for m in missing)}: "
+            "install the Hugging Face extra, pip install 'apexw_hf[hf]' (or pip install -e '.[hf]' in "
+            "a checkout)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="apexw-compare", description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "config",
+        nargs="?",
+        default="offline_default",
+        help="YAML path or shipped config name (default: the embedded offline default)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value, e.g. --set train.max_steps=20 (repeatable)",
+    )
+    ap.add_argument("--optimizers", help="comma-separated, replaces compare.optimizers")
+    ap.add_argument("--lrs", help="comma-separated, replaces compare.learning_rates")
+    ap.add_argument("--seeds", help="comma-separated, replaces compare.seeds")
+    ap.add_argument("--output-dir", help="replaces compare.output_dir")
+    ap.add_argument("--jobs", type=int, help="runs at a time (CPU only; GPU runs always go one at a time)")
+    ap.add_argument("--max-minutes", type=float, help="launch no new run after this long (0: no limit)")
+    ap.add_argument("--report-only", action="store_true", help="only rebuild CSV/table/plot from existing runs")
+    args = ap.parse_args(argv)
+    _check_dependencies()
+    # `timeout` or a scheduler sends SIGTERM: unwind through the finally below, which stops the running children
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    ov = list(args.overrides)
+    for key, val in (("optimizers", args.optimizers), ("learning_rates", args.lrs), ("seeds", args.seeds)):
+        if val:
+            ov.append(f"compare.{key}=[{val}]")
+    if args.output_dir:
+        ov.append(f"compare.output_dir={args.output_dir}")
+    if args.jobs:
+        ov.append(f"compare.jobs={args.jobs}")
+    if args.max_minutes is not None:
+        ov.append(f"compare.max_minutes={args.max_minutes}")
+    cfg = load_config(args.config, ov)
+    interrupted = None
+    out = Path(cfg.compare.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if args.report_only:
+        results = _load_results(out)
+        if not results:
+            print(f"[apexw-compare] no run results under {out / 'runs'}", file=sys.stderr)
+            return 1
+    else:
+        resolved = out / "config.json"  # the exact config every child reads, overrides applied
+        resolved.write_text(json.dumps(cfg.to_dict(), indent=1))
+        jobs = cfg.compare.jobs
+        if jobs > 1 and _gpu_present():
+            os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
+            print(
+                f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
+                "training and evaluation hold a lock, one run at a time",
+                flush=True,
+            )
+        n = len(plan_grid(cfg))
+        print(
+            f"[apexw-compare] config {cfg.name}: {len(cfg.compare.optimizers)} optimizers x "
+            f"{len(cfg.compare.learning_rates)} learning rates x {len(cfg.compare.seeds)} seeds = {n} runs, "
+            f"{jobs} at a time; output {out}",
+            flush=True,
+        )
+        load0 = os.getloadavg()
+        interrupted = None
+        try:
+            results = run_grid(cfg, resolved, out, jobs)
+        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: report the runs that finished
+            interrupted = exc
+            _stop_children()
+            results = _load_results(out)
+            print(f"[apexw-compare] INTERRUPTED: reporting the {len(results)} runs that finished", flush=True)
+        finally:
+            _stop_children()
+        meta = {
+            "wall_seconds": round(time.time() - t0, 1),
+            "runs": len(results),
+            "jobs": jobs,
+            "cpu_count": os.cpu_count(),
+            "loadavg_1min_start": round(load0[0], 2),
+            "loadavg_1min_end": round(os.getloadavg()[0], 2),
+            "interrupted": interrupted is not None,
+        }
+        (out / "grid_meta.json").write_text(json.dumps(meta, indent=1))
+        if interrupted is not None and not results:
+            raise interrupted
+    table = write_reports(results, cfg, out)
+    print(table, flush=True)
+    print(
+        f"[apexw-compare] wrote {out / 'results.csv'}, {out / 'summary.md'}, {out / 'loss_curves.png'} "
+        f"({time.time() - t0:.0f} s)",
+        flush=True,
+    )
+    if not args.report_only and interrupted is not None:
+        return 130
+    return 0 if any(r.get("status") == "ok" for r in results) else 1
+
+
+def _gpu_present() -> bool:
+    """True when a CUDA device is visible, checked without importing torch into the runner process."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Run by test_unsloth.py in a fresh interpreter (Unsloth patches transformers and TRL globally when imported).
+
+Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first}. Prints one JSON line starting with RESULT.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+out_dir, order = sys.argv[1], sys.argv[2]
+# The import order is what is tested, so it is spelled out with importlib (an import sorter cannot reorder it).
+for module in ("apexw_hf", "unsloth") if order == "apexw_first" else ("unsloth", "apexw_hf"):
+    importlib.import_module(module)
+
+from transformers import TrainingArguments  # noqa: E402
+from trl import SFTConfig  # noqa: E402
+from unsloth import UnslothTrainer, UnslothTrainingArguments  # noqa: E402
+
+from apexw_hf.accounting import unwrap_optimizer  # noqa: E402
+from tests.integrations.tiny import make_model, make_tokenizer, text_dataset  # noqa: E402
+
+result: dict = {"cuda": __import__("torch").cuda.is_available()}
+common = {"output_dir": out_dir, "report_to": [], "use_cpu": True}
+# Control: Unsloth's CPU mode is active iff it rewrites bitsandbytes' adamw_8bit.
+result["control"] = str(SFTConfig(**common, optim="adamw_8bit").optim.value)
+result["names"] = {}
+for name in ("apexw_8bit", "apexw_compact"):
+    for cls in (TrainingArguments, SFTConfig, UnslothTrainingArguments):
+        result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
+
+# A short run through Unsloth's trainer, with embedding_learning_rate so UnslothTrainer builds its own param groups
+# (a trained copy of the embeddings gets the embedding learning rate).
+model = make_model(modules_to_save=["embed_tokens"])
+config = UnslothTrainingArguments(
+    **common,
+    optim="apexw_8bit",
+    optim_args="engine=torch",
+    max_steps=3,
+    per_device_train_batch_size=4,
+    logging_steps=1,
+    learning_rate=1e-2,
+    embedding_learning_rate=1e-3,
+    lr_scheduler_type="constant",
+    weight_decay=0.01,
+    max_length=32,
+    dataset_text_field="text",
+    disable_tqdm=True,
+)
+trainer = UnslothTrainer(model=model, args=config, train_dataset=text_dataset(), processing_class=make_tokenizer())
+trainer.train()
+opt = unwrap_optimizer(trainer.optimizer)
+result["optimizer"] = type(opt).__name__
+result["groups"] = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups)
+result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+result["state_dtypes"] = sorted({str(v.dtype) for s in opt.state.values() for v in s.values()})
+print("RESULT " + json.dumps(result))
