@@ -39,7 +39,9 @@ def worker(args) -> None:
     with torch.device(f"cuda:{local_rank}"):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    lora = LoraConfig(r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=projections)
+    lora = LoraConfig(
+        r=16, lora_alpha=16, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", target_modules=projections
+    )
     model = get_peft_model(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
