@@ -153,8 +153,13 @@ class ApexW(torch.optim.Optimizer):
     # ---- state ---------------------------------------------------------------------------------------------
 
     def state_bytes(self) -> int:
-        """Exact bytes of every tensor held in ``self.state`` (moments, scales, step counters)."""
-        return sum(st.state_tensor_bytes(s) for s in self.state.values())
+        """Exact bytes of every tensor held in ``self.state`` (moments, scales, step counters; this rank's shards).
+
+        The same accounting as :func:`apexw_hf.optimizer_state_bytes` applies to any optimizer.
+        """
+        from ..accounting import optimizer_state_bytes
+
+        return optimizer_state_bytes(self)
 
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
         state = self.state[p]
