@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -173,9 +174,8 @@ class ApexW(torch.optim.Optimizer):
         engine = group["engine"]
         if engine == "torch" or not params:
             return False
-        on_cuda = params[0].is_cuda
         if engine == "auto":
-            return on_cuda and _triton_available()
+            return _auto_uses_triton(params[0].is_cuda)
         return True  # "triton": the engine raises a clear error if it cannot run
 
     def _triton_engine(self):
@@ -278,6 +278,26 @@ class ApexW(torch.optim.Optimizer):
 
 
 _TRITON_OK: bool | None = None
+_WARNED_NO_TRITON = False
+
+
+def _auto_uses_triton(on_cuda: bool) -> bool:
+    """engine="auto": the kernels for CUDA parameters; says so once when triton is missing there."""
+    global _WARNED_NO_TRITON
+    if not on_cuda:
+        return False
+    if _triton_available():
+        return True
+    if not _WARNED_NO_TRITON:
+        _WARNED_NO_TRITON = True
+        warnings.warn(
+            "ApexW: triton is not installed, so CUDA parameters are updated by the plain-PyTorch path, which is many "
+            "times slower than the Triton kernels (same results). Install triton (pip install 'apexw_hf[triton]'), "
+            "or pass engine='torch' to choose this path explicitly.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return False
 
 
 def _triton_available() -> bool:

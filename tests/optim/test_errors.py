@@ -76,3 +76,18 @@ def test_sparse_gradient():
     emb(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(RuntimeError, match="sparse gradients"):
         opt.step()
+
+
+def test_auto_engine_on_cuda_without_triton_warns_once(monkeypatch):
+    from apexw_hf.optim import base
+
+    monkeypatch.setattr(base, "_TRITON_OK", False)
+    monkeypatch.setattr(base, "_WARNED_NO_TRITON", False)
+    with pytest.warns(RuntimeWarning, match="triton is not installed"):
+        assert base._auto_uses_triton(True) is False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert base._auto_uses_triton(True) is False  # only once
+        assert base._auto_uses_triton(False) is False  # CPU parameters: the plain path by design, no warning
