@@ -338,7 +338,7 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode the stored moments of format ``fmt`` to fp32 tensors of ``shape``."""
+    """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``."""
     if fmt == "8bit":
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
         v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])

@@ -52,14 +52,37 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
 
 
 def state_format_of(state: dict) -> str | None:
-    """The format a state dict entry is stored in (``None`` for an empty entry); any float moments count as fp32."""
+    """The format a state dict entry is stored in: one of the formats, ``"float"`` for moments of another float
+    dtype (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for
+    an empty entry."""
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
         return "8bit"
-    if state["exp_avg"].dtype == torch.bfloat16 and state["exp_avg_sq"].dtype == torch.bfloat16:
+    dtypes = {state["exp_avg"].dtype, state["exp_avg_sq"].dtype}
+    if dtypes == {torch.bfloat16}:
         return "compact"
-    return "fp32"
+    if dtypes == {torch.float32}:
+        return "fp32"
+    return "float"
+
+
+def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
+    """Raise ``ValueError`` unless the moments to convert fit ``p`` (8-bit: exactly its layout)."""
+    if src == "8bit":
+        check_state(state, p, "8bit")
+        if dt.is_dtensor(p):
+            dt.check_block_shards(state, p)
+        return
+    for key in MOMENT_KEYS:
+        got = state[key]
+        if not isinstance(got, torch.Tensor) or not got.is_floating_point() or got.shape != p.shape:
+            raise ValueError(
+                f"optimizer state '{key}' for a parameter of shape {tuple(p.shape)} is "
+                f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}; expected float moments of "
+                "the parameter's shape"
+            )
+        _check_kind(key, got, p)
 
 
 def _layout(p: torch.Tensor, fmt: str) -> dict:
@@ -72,16 +95,21 @@ def _layout(p: torch.Tensor, fmt: str) -> dict:
     return out
 
 
+def _check_kind(key: str, got: torch.Tensor, p: torch.Tensor) -> None:
+    if dt.is_dtensor(p) != dt.is_dtensor(got):
+        raise ValueError(
+            f"optimizer state '{key}' is a {type(got).__name__} but its parameter is a {type(p).__name__}: "
+            "load sharded (FSDP2) optimizer state with torch.distributed.checkpoint.state_dict."
+            "set_optimizer_state_dict, which shards full tensors first"
+        )
+
+
 def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
     """Raise ``ValueError`` unless ``state`` has exactly the shapes and dtypes of format ``fmt`` for ``p``."""
     for key, (dtype, shape) in _layout(p, fmt).items():
         got = state.get(key)
-        if isinstance(got, torch.Tensor) and dt.is_dtensor(p) != dt.is_dtensor(got):
-            raise ValueError(
-                f"optimizer state '{key}' is a {type(got).__name__} but its parameter is a {type(p).__name__}: "
-                "load sharded (FSDP2) optimizer state with torch.distributed.checkpoint.state_dict."
-                "set_optimizer_state_dict, which shards full tensors first"
-            )
+        if isinstance(got, torch.Tensor):
+            _check_kind(key, got, p)
         if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.shape != shape:
             desc = (
                 "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"
@@ -112,10 +140,8 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
             out["block_shards"] = state["block_shards"]
         out["step"] = step.clone()
         return out
+    _check_source(state, p, src)
     if dt.is_dtensor(p):
-        check_state({k: state[k] for k in MOMENT_KEYS}, p, "fp32" if src != "8bit" else src)
-        if src == "8bit":
-            dt.check_block_shards(state, p)
         state = dt.local_view(state, p)
     local_p = dt.local(p)
     m, v = ref.load_moments(state, src, local_p.shape)

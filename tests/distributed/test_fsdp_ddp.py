@@ -214,3 +214,25 @@ def test_fsdp2_triton_engine_matches_torch_path_on_shards(fmt):
     for r in results:
         for a, b in zip(r["torch"], r["triton"]):
             assert torch.equal(a, b)
+
+
+def _fsdp_convert(rank, world, store, out):
+    w.init(rank, world, store)
+    model = w.sharded(world)
+    opt = ApexW(model.parameters(), lr=3e-3, state_format="compact")
+    w.train(model, opt, w.batches(3, rank, world))
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        group["state_format"] = "8bit"
+    opt8 = ApexW(model.parameters(), lr=3e-3, state_format="compact")
+    opt8.load_state_dict(sd)  # DTensor compact moments -> DTensor 8-bit state, converted on the local shards
+    state = opt8.state[next(model.parameters())]
+    losses = w.train(model, opt8, w.batches(3, rank, world))
+    w.save_result(out, rank, {"dtype": str(state["exp_avg"].dtype), "block_shards": state["block_shards"],
+                              "finite": all(x == x for x in losses)})  # fmt: skip
+    dist.destroy_process_group()
+
+
+def test_fsdp2_state_converts_between_formats_on_shards():
+    for r in _spawn(_fsdp_convert, 2):
+        assert r == {"dtype": "torch.int8", "block_shards": 2, "finite": True}

@@ -132,3 +132,29 @@ def test_gpu_state_dict_loads_on_cpu_and_back(fmt):
     for key, value in opt.state[p].items():
         assert cpu_opt.state[q][key].device.type == "cpu" or key == "step"
         assert torch.equal(back.state[p][key].cpu(), value.cpu())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_load_torch_adamw_state_of_fp16_params(fmt):
+    """torch.optim.AdamW keeps fp16 moments for fp16 parameters: they are converted into every format."""
+    p_torch = torch.nn.Parameter(torch.randn(300).half())
+    topt = torch.optim.AdamW([p_torch], lr=1e-3)
+    run_steps(topt, [p_torch], [[g.half() for g in make_grads((300,), 3)]])
+    assert topt.state[p_torch]["exp_avg"].dtype == torch.float16
+    p = torch.nn.Parameter(p_torch.detach().clone())
+    opt = ApexW([p], state_format=fmt)
+    opt.load_state_dict(_roundtrip(topt.state_dict()))
+    m = opt.state[p]["exp_avg"]
+    assert m.dtype == {"fp32": torch.float32, "compact": torch.bfloat16, "8bit": torch.int8}[fmt]
+    if fmt != "8bit":
+        assert torch.allclose(m.float(), topt.state[p_torch]["exp_avg"].float(), rtol=2**-7, atol=1e-6)
+
+
+def test_conversion_source_of_the_wrong_shape_is_refused():
+    p = torch.nn.Parameter(torch.randn(10))
+    t = torch.optim.AdamW([torch.nn.Parameter(torch.randn(12))])
+    run_steps(t, t.param_groups[0]["params"], [make_grads((12,), 1)])
+    opt = ApexW([p], state_format="8bit")
+    with pytest.raises(ValueError, match=r"exp_avg' for a parameter of shape \(10,\) is torch.float32 \(12,\)"):
+        opt.load_state_dict(t.state_dict())
+    assert not opt.state
