@@ -21,10 +21,14 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   truncated), so ``v`` keeps decaying at ``beta2 = 0.999``, where round-to-nearest would freeze it.
 * ``8bit``: blocks of :data:`BLOCK` elements along the flattened tensor, one bf16 scale per block and moment (the
   block's absolute maximum rounded up to bf16). ``m`` is an int8 code ``c`` in [-127, 127] decoding to
-  ``sign(c) * (|c|/127)**2 * scale``; ``v`` is a uint8 code in [0, 255] decoding to ``(c/255)**4 * scale``. Codes are
-  chosen by stochastic rounding between the two neighbouring decoded values with probabilities that make the
-  decoded value unbiased. Zero encodes to code 0 exactly, and a nonzero ``v`` never encodes to 0 (it would turn the
-  next update into ``m / eps``).
+  ``sign(c) * (|c|/127)**2 * scale``; ``v`` is a uint8 code in [0, 255] decoding to ``(c/255)**4 * scale``. A value
+  ``y`` (normalized by the scale) lies between the decoded values of two neighbouring codes: ``lo``, the largest
+  code decoding to at most ``y``, and ``lo + 1``. The code is chosen between them by stochastic rounding with
+  probabilities that make the decoded value unbiased. Zero encodes to code 0 exactly, and a nonzero ``v`` never
+  encodes to 0 (it would turn the next update into ``m / eps``).
+
+Stochastic rounding of both moments draws on one 32-bit random word per element: its top 16 bits round ``m``, its
+low 16 bits round ``v``.
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even).
@@ -68,7 +72,8 @@ MASK32 = 0xFFFFFFFF
 GOLDEN = 0x9E3779B1
 MIX1 = 0x85EBCA6B
 MIX2 = 0xC2B2AE35
-STREAM_M, STREAM_V, STREAM_P = 1, 2, 3
+STREAM_MV, STREAM_P = 1, 3  # one stream for both moments; 2 (a separate v stream) is retired
+TWO_POW_M16 = 2.0**-16
 
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
 INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
@@ -170,6 +175,11 @@ def hash_uniform_bits(numel: int, key: int, device) -> torch.Tensor:
 def _uniform(bits: torch.Tensor) -> torch.Tensor:
     """Uniform fp32 in [0, 1) from the top 24 of 32 random bits (exact in fp32)."""
     return (bits >> 8).to(torch.float32) * TWO_POW_M24
+
+
+def _uniform16(half: torch.Tensor) -> torch.Tensor:
+    """Uniform fp32 in [0, 1) from 16 random bits (values in [0, 2**16)), exact in fp32."""
+    return half.to(torch.float32) * TWO_POW_M16
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -287,6 +297,19 @@ def _q4(c: torch.Tensor) -> torch.Tensor:
     return t2 * t2
 
 
+_Q2_TABLE = _q2(torch.arange(128, dtype=torch.float32))  # decoded |m| of every code, increasing
+_Q4_TABLE = _q4(torch.arange(256, dtype=torch.float32))
+
+
+def _lower_code(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The largest code whose decoded value is ``<= y``, at most the second-largest code (as fp32).
+
+    The kernels find it with an approximate root and one comparison (``kernels._quant.lower_code``).
+    """
+    lo = torch.searchsorted(table.to(y.device), y.contiguous(), right=True) - 1
+    return torch.clamp(lo, 0, table.numel() - 2).to(torch.float32)
+
+
 def _stochastic_code(y: torch.Tensor, lo: torch.Tensor, q, u: torch.Tensor) -> torch.Tensor:
     """Pick lo or lo+1 so that the decoded value is y on average."""
     qlo = q(lo)
@@ -295,14 +318,16 @@ def _stochastic_code(y: torch.Tensor, lo: torch.Tensor, q, u: torch.Tensor) -> t
 
 
 def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 first moment -> (int8 codes shaped like ``m``, bf16 scales of shape (num_blocks,))."""
+    """fp32 first moment -> (int8 codes shaped like ``m``, bf16 scales of shape (num_blocks,)).
+
+    ``bits``: 32 random bits per element, of which the top 16 are used.
+    """
     n = m.numel()
     mb = _blocks(m)
     a = mb.abs()
     scale, inv = _scale(a)
     y = _normalized(a, inv)
-    lo = torch.clamp(torch.floor(sqrt_rn(y) * 127.0), 0.0, 126.0)
-    c = _stochastic_code(y, lo, _q2, _uniform(_blocks(bits)))
+    c = _stochastic_code(y, _lower_code(y, _Q2_TABLE), _q2, _uniform16(_blocks(bits) >> 16))
     c = torch.where(mb < 0, -c, c)
     return c.reshape(-1)[:n].to(torch.int8).view(m.shape), scale
 
@@ -315,13 +340,15 @@ def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_v(v: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 second moment (>= 0) -> (uint8 codes shaped like ``v``, bf16 scales of shape (num_blocks,))."""
+    """fp32 second moment (>= 0) -> (uint8 codes shaped like ``v``, bf16 scales of shape (num_blocks,)).
+
+    ``bits``: 32 random bits per element, of which the low 16 are used.
+    """
     n = v.numel()
     vb = _blocks(v)
     scale, inv = _scale(vb)
     y = _normalized(vb, inv)
-    lo = torch.clamp(torch.floor(sqrt_rn(sqrt_rn(y)) * 255.0), 0.0, 254.0)
-    c = _stochastic_code(y, lo, _q4, _uniform(_blocks(bits)))
+    c = _stochastic_code(y, _lower_code(y, _Q4_TABLE), _q4, _uniform16(_blocks(bits) & 0xFFFF))
     c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
     return c.reshape(-1)[:n].to(torch.uint8).view(v.shape), scale
 
@@ -346,21 +373,23 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
     return state["exp_avg"].float(), state["exp_avg_sq"].float()
 
 
-def store_moments(state: dict, fmt: str, m, v, key_m: int, key_v: int) -> None:
-    """Encode fp32 moments into the (preallocated) state tensors of format ``fmt``, in place."""
+def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
+    """Encode fp32 moments into the (preallocated) state tensors of format ``fmt``, in place.
+
+    ``key``: the moments' random stream (``stream_key(..., STREAM_MV)``); the top 16 bits of each element's random
+    word round ``m``, the low 16 bits round ``v``.
+    """
     if fmt == "fp32":
         state["exp_avg"].copy_(m)
         state["exp_avg_sq"].copy_(v)
         return
-    n, dev = m.numel(), m.device
-    bits_m = hash_uniform_bits(n, key_m, dev).view(m.shape)
-    bits_v = hash_uniform_bits(n, key_v, dev).view(m.shape)
+    bits = hash_uniform_bits(m.numel(), key, m.device).view(m.shape)
     if fmt == "compact":
-        state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits_m))
-        state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, bits_v))
+        state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits))
+        state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, (bits & 0xFFFF) << 16))
         return
-    cm, sm = quantize_m(m, bits_m)
-    cv, sv = quantize_v(v, bits_v)
+    cm, sm = quantize_m(m, bits)
+    cv, sv = quantize_v(v, bits)
     state["exp_avg"].copy_(cm)
     state["exp_avg_scale"].copy_(sm)
     state["exp_avg_sq"].copy_(cv)
@@ -405,11 +434,4 @@ def adamw_step_ref_(
     if param.dtype != torch.float32 and param_rounding == "stochastic":
         bits_p = hash_uniform_bits(p.numel(), stream_key(seed, tensor_index, step, STREAM_P), p.device).view(p.shape)
     param.copy_(round_param(p, param.dtype, bits_p))
-    store_moments(
-        state,
-        fmt,
-        m,
-        v,
-        stream_key(seed, tensor_index, step, STREAM_M),
-        stream_key(seed, tensor_index, step, STREAM_V),
-    )
+    store_moments(state, fmt, m, v, stream_key(seed, tensor_index, step, STREAM_MV))

@@ -379,8 +379,8 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.tune_configs = {
-        "compact": [(4, 8, True), (2, 4, True), (8, 16, True), (2, 8, True)],
-        "8bit": [(4, 8, True), (2, 4, True), (8, 16, True), (2, 8, True), (1, 4, True), (1, 2, True)],
+        "compact": [(2, 4, True), (2, 2, True), (1, 1, True), (4, 4, True), (1, 2, True)],
+        "8bit": [(2, 4, True), (2, 2, True), (1, 4, True), (1, 2, True), (1, 1, True), (2, 1, True)],
     }
 
     env = environment()

@@ -6,7 +6,7 @@ A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is
 import triton
 import triton.language as tl
 
-from ._rounding import BF16_NAN, bf16_bits_to_f32, f32_bits, uniform01
+from ._rounding import BF16_NAN, bf16_bits_to_f32, f32_bits
 
 INV127 = tl.constexpr(0.007874015718698502)  # fp32(1/127), as reference.INV127
 INV255 = tl.constexpr(0.003921568859368563)  # fp32(1/255), as reference.INV255
@@ -62,28 +62,72 @@ def normalized(a, inv):
     return tl.where(y == y, y, 0.0)
 
 
+# Just below 127 and 255: an approximate root times these never lands above the right code (see lower_code).
+BELOW127 = tl.constexpr(127.0 * (1.0 - 2.0**-16))
+BELOW255 = tl.constexpr(255.0 * (1.0 - 2.0**-16))
+TWO_POW_M16 = tl.constexpr(2.0**-16)
+
+
+@triton.jit
+def lower_code(y, root_times_n, top: tl.constexpr, Q4: tl.constexpr):
+    """``reference._lower_code`` without an IEEE root: (lo, q(lo), q(lo + 1)) for ``y`` in [0, 1].
+
+    ``root_times_n`` is y's square (Q4: fourth) root from the approximate hardware instruction, times just under 127
+    (255). Its floor is the right code or the one below it: the approximate root is within 2**-21 of the true one and
+    the decoded code values within a few ulps of (c/127)**2, so the 2**-16 shortfall keeps the guess at or below the
+    code and is too small to fall a whole code below it. One comparison with the next code's value settles it, bit
+    for bit as the reference's table search.
+    """
+    lo = tl.minimum(tl.floor(root_times_n), top - 1.0)
+    if Q4:
+        q1 = q4(lo + 1.0)
+        up = (y >= q1) & (lo < top - 1.0)
+        qlo = tl.where(up, q1, q4(lo))
+        qhi = tl.where(up, q4(lo + 2.0), q1)
+    else:
+        q1 = q2(lo + 1.0)
+        up = (y >= q1) & (lo < top - 1.0)
+        qlo = tl.where(up, q1, q2(lo))
+        qhi = tl.where(up, q2(lo + 2.0), q1)
+    return lo + up.to(tl.float32), qlo, qhi
+
+
+@triton.jit
+def _pick(y, lo, qlo, qhi, half):
+    """``reference._stochastic_code`` with 16 random bits ``half``."""
+    u = half.to(tl.float32) * TWO_POW_M16
+    return lo + ((u * (qhi - qlo)) < (y - qlo)).to(tl.float32)
+
+
+@triton.jit
+def m_root(y):
+    return tl.sqrt(y) * BELOW127
+
+
+@triton.jit
+def v_root(y):
+    return tl.sqrt(tl.sqrt(y)) * BELOW255
+
+
 @triton.jit
 def quant_m(m, mask, bits):
-    """fp32 first moment [R, B] -> (int8 codes, bf16 scale bits [R])."""
+    """fp32 first moment [R, B] -> (int8 codes, bf16 scale bits [R]); rounds with the top 16 of the 32 ``bits``."""
     a = tl.abs(m)
     sbits, inv = block_scale(a, mask)
     y = normalized(a, inv)
-    lo = tl.minimum(tl.floor(tl.sqrt_rn(y) * 127.0), 126.0)  # y in [0, 1]: never below 0
-    qlo = q2(lo)
-    qhi = q2(lo + 1.0)
-    c = lo + ((uniform01(bits) * (qhi - qlo)) < (y - qlo)).to(tl.float32)
+    lo, qlo, qhi = lower_code(y, m_root(y), 127.0, False)
+    c = _pick(y, lo, qlo, qhi, bits >> 16)
     c = tl.where(m < 0, -c, c)
     return c.to(tl.int8), sbits
 
 
 @triton.jit
 def quant_v(v, mask, bits):
-    """fp32 second moment [R, B] -> (uint8 codes, bf16 scale bits [R]); nonzero v never gets code 0."""
+    """fp32 second moment [R, B] -> (uint8 codes, bf16 scale bits [R]); nonzero v never gets code 0. Rounds with the
+    low 16 of the 32 ``bits``."""
     sbits, inv = block_scale(v, mask)
     y = normalized(v, inv)
-    lo = tl.minimum(tl.floor(tl.sqrt_rn(tl.sqrt_rn(y)) * 255.0), 254.0)
-    qlo = q4(lo)
-    qhi = q4(lo + 1.0)
-    c = lo + ((uniform01(bits) * (qhi - qlo)) < (y - qlo)).to(tl.float32)
+    lo, qlo, qhi = lower_code(y, v_root(y), 255.0, True)
+    c = _pick(y, lo, qlo, qhi, bits & 0xFFFF)
     c = tl.where((v > 0) & (c == 0.0), 1.0, c)
     return c.to(tl.uint8), sbits

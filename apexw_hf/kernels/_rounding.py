@@ -12,10 +12,8 @@ GOLDEN = tl.constexpr(0x9E3779B1)
 MIX1 = tl.constexpr(0x85EBCA6B)
 MIX2 = tl.constexpr(0xC2B2AE35)
 STREAM_MUL = tl.constexpr(0x632BE5AB)
-STREAM_M = tl.constexpr(1)
-STREAM_V = tl.constexpr(2)
+STREAM_MV = tl.constexpr(1)
 STREAM_P = tl.constexpr(3)
-TWO_POW_M24 = tl.constexpr(2.0**-24)
 BF16_NAN = tl.constexpr(0x7FC0)
 
 
@@ -41,12 +39,6 @@ def stream_key(tensor_key, step, stream: tl.constexpr):
 def uniform_bits(idx_golden, key):
     """32 random bits per element: ``mix32(index * GOLDEN + key)``, with ``idx_golden = index * GOLDEN`` (uint32)."""
     return mix32(idx_golden + key)
-
-
-@triton.jit
-def uniform01(bits):
-    """fp32 in [0, 1) from the top 24 of 32 random bits (exact)."""
-    return (bits >> 8).to(tl.float32) * TWO_POW_M24
 
 
 @triton.jit

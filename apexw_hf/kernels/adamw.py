@@ -25,9 +25,8 @@ import triton.language as tl
 from ._quant import dequant_m, dequant_v, quant_m, quant_v
 from ._rounding import (
     GOLDEN,
-    STREAM_M,
+    STREAM_MV,
     STREAM_P,
-    STREAM_V,
     bf16_bits_to_f32,
     f32_to_bf16_bits_nearest,
     f32_to_bf16_bits_stochastic,
@@ -90,6 +89,7 @@ def _adamw_kernel(
     STOCHASTIC_PARAM: tl.constexpr,
     PER_TENSOR_STEP: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN: tl.constexpr,
     ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -103,7 +103,12 @@ def _adamw_kernel(
         rows = tl.arange(0, ROWS)
         cols = tl.arange(0, QBLOCK)
         offs = rows[:, None] * QBLOCK + cols[None, :]
-        mask = offs < rest
+        if EVEN:
+            # Every tensor of the launch is whole 256-element blocks: the mask is constant along a row, so loads and
+            # stores of consecutive elements become vector instructions.
+            mask = tl.broadcast_to(rows[:, None] * QBLOCK < rest, (ROWS, QBLOCK))
+        else:
+            mask = offs < rest
 
         if PER_TENSOR_STEP:
             step = tl.load(tstep_ptr + t)
@@ -171,14 +176,14 @@ def _adamw_kernel(
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
         else:
-            bits_m = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_M))
-            bits_v = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_V))
+            # One random word per element: its top 16 bits round m, its low 16 bits round v.
+            bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
-                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_m), mask=mask)
-                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_v), mask=mask)
+                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
+                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=mask)
             else:
-                cm, sm = quant_m(m, mask, bits_m)
-                cv, sv = quant_v(v, mask, bits_v)
+                cm, sm = quant_m(m, mask, bits_mv)
+                cv, sv = quant_v(v, mask, bits_mv)
                 tl.store(mc_ptr + offs, cm, mask=mask)
                 tl.store(vc_ptr + offs, cv, mask=mask)
                 tl.store(ms_ptr + rows, sm, mask=bmask)

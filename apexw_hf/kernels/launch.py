@@ -142,6 +142,7 @@ class LaunchPlan:
         if len(work_t) >= 2**31:
             raise ValueError("too many chunks for one launch")
         self.static_aligned = aligned
+        self.even = all(k % QBLOCK == 0 for k in numel)
         self.grads_aligned = False
         dev = self.device
         self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)
@@ -202,6 +203,7 @@ class LaunchPlan:
             STOCHASTIC_PARAM=bool(stochastic_param),
             PER_TENSOR_STEP=bool(per_tensor_step),
             ALIGNED=self.static_aligned and self.grads_aligned,
+            EVEN=self.even,
             ROWS=self.rows,
             num_warps=self.num_warps,
             enable_fp_fusion=False,

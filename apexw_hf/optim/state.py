@@ -153,8 +153,7 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
         fmt,
         m.to(local_p.device, torch.float32),
         v.to(local_p.device, torch.float32),
-        ref.stream_key(seed, tensor_index, t, ref.STREAM_M),
-        ref.stream_key(seed, tensor_index, t, ref.STREAM_V),
+        ref.stream_key(seed, tensor_index, t, ref.STREAM_MV),
     )
     return out
 

@@ -176,6 +176,14 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
             return
         run_dir = runs_dir / cell["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
+        run_env = env
+        devices = cfg.compare.devices
+        if devices:
+            dev = devices[cfg.compare.seeds.index(cell["seed"]) % len(devices)]
+            run_env = {**env, "CUDA_VISIBLE_DEVICES": str(dev)}
+            if "APEXW_GPU_LOCK" in env:
+                run_env["APEXW_GPU_LOCK"] = f"{env['APEXW_GPU_LOCK']}.{dev}"
+            cell = {**cell, "device": dev}
         ts = time.time()
         rc = _run_child(
             [
@@ -193,7 +201,7 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
                 str(out / "prepared_paths.json"),
             ],
             run_dir / "log.txt",
-            env,
+            run_env,
         )
         dt = time.time() - ts
         res_path = run_dir / "result.json"
@@ -209,6 +217,8 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
                 "seed": cell["seed"],
             }
         res["run_name"], res["process_seconds"] = cell["name"], round(dt, 2)
+        if "device" in cell:
+            res["cuda_device"] = cell["device"]
         results[i] = res
         if done == 0 and res["status"] == "failed":
             failed_first.append(cell["name"])
@@ -315,13 +325,35 @@ def main(argv: list[str] | None = None) -> int:
         resolved = out / "config.json"  # the exact config every child reads, overrides applied
         resolved.write_text(json.dumps(cfg.to_dict(), indent=1))
         jobs = cfg.compare.jobs
+        ndev = max(1, len(cfg.compare.devices))
+        if cfg.compare.devices and _gpu_present():
+            import torch
+
+            count = torch.cuda.device_count()
+            missing = [d for d in cfg.compare.devices if d >= count]
+            if missing:
+                print(
+                    f"[apexw-compare] compare.devices={cfg.compare.devices} names GPU(s) {missing}, but this machine "
+                    f"has {count} (indices 0..{count - 1}); set compare.devices to those or leave it empty",
+                    file=sys.stderr,
+                )
+                return 2
         if jobs > 1 and _gpu_present():
-            os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
-            print(
-                f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
-                "training and evaluation hold a lock, one run at a time",
-                flush=True,
-            )
+            if cfg.compare.runs_per_device == 1:
+                os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
+                print(
+                    f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
+                    f"training and evaluation hold a lock, one run at a time per GPU ({ndev} GPU(s))",
+                    flush=True,
+                )
+            else:
+                os.environ.pop("APEXW_GPU_LOCK", None)
+                print(
+                    f"[apexw-compare] GPU present: up to {jobs} runs at a time over {ndev} GPU(s), "
+                    f"compare.runs_per_device={cfg.compare.runs_per_device} sharing each GPU: steps/s are measured "
+                    "under sharing (peak memory is per process)",
+                    flush=True,
+                )
         n = len(plan_grid(cfg))
         print(
             f"[apexw-compare] config {cfg.name}: {len(cfg.compare.optimizers)} optimizers x "
@@ -344,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": round(time.time() - t0, 1),
             "runs": len(results),
             "jobs": jobs,
+            "devices": cfg.compare.devices,
+            "runs_per_device": cfg.compare.runs_per_device,
             "cpu_count": os.cpu_count(),
             "loadavg_1min_start": round(load0[0], 2),
             "loadavg_1min_end": round(os.getloadavg()[0], 2),

@@ -180,6 +180,12 @@ class CompareConfig:
     max_minutes: float = 0.0  # > 0: launch no new run once the grid has used this long
     fail_fast: bool = True  # stop launching runs when the first run to finish has failed
     warmup_run: bool = False  # a short unreported run first, so compile caches are warm for every reported run
+    # GPUs to spread runs over (CUDA device indices; empty: the one the runs see). All runs of one seed go to one
+    # device, so with as many devices as seeds every device runs the same mix of optimizers.
+    devices: list[int] = field(default_factory=list)
+    # runs that share one GPU at a time (1: a file lock per device serializes their GPU work). Above 1, speed is
+    # measured under sharing; peak memory (per process) is not affected.
+    runs_per_device: int = 1
 
     def validate(self) -> None:
         for name, seq in (
@@ -193,6 +199,10 @@ class CompareConfig:
                 raise ValueError(f"compare.{name} has duplicates: {seq}")
         if self.jobs < 1:
             raise ValueError(f"compare.jobs={self.jobs} must be >= 1")
+        if self.runs_per_device < 1:
+            raise ValueError(f"compare.runs_per_device={self.runs_per_device} must be >= 1")
+        if len(set(self.devices)) != len(self.devices) or any(int(d) < 0 for d in self.devices):
+            raise ValueError(f"compare.devices={self.devices} must be distinct CUDA device indices >= 0")
 
 
 @dataclass

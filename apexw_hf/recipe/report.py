@@ -193,6 +193,17 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
                 else ""
             )
         )
+        if meta.get("devices"):
+            share = meta.get("runs_per_device", 1)
+            lines.append(
+                f"- GPUs {meta['devices']}, each seed's runs on one GPU; "
+                + (
+                    f"up to {share} runs shared a GPU at a time, so steps/s were measured under sharing (the same "
+                    "mix of optimizers on every GPU); peak memory is per process"
+                    if share > 1
+                    else "one run at a time per GPU"
+                )
+            )
     if gpu:
         lines.append("- peak GPU mem = `torch.cuda.max_memory_allocated()` over the whole run, model load included.")
     else:

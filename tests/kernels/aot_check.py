@@ -2,7 +2,7 @@
 
 Run as a script (without TRITON_INTERPRET): ``python tests/kernels/aot_check.py 75``. Prints one line per
 specialization and exits non-zero if any PTX holds a hardware bf16 conversion (``cvt.rn.bf16``, absent before
-sm_80), FMA contraction, or an approximate division or square root.
+sm_80), FMA contraction, an approximate division, or an approximate square root outside the 8-bit code search.
 """
 
 import itertools
@@ -31,8 +31,12 @@ SIGNATURE = {
     },
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
-# Flush-to-zero is harmless only in floor (cvt.rmi), whose inputs here are >= 0: floor of a subnormal is +0 anyway.
-BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"div\.approx", r"div\.full", r"sqrt\.approx", r"^(?!\s*cvt\.rmi\.).*\.ftz\."]
+# Flush-to-zero is harmless only in floor (cvt.rmi), whose inputs here are >= 0: floor of a subnormal is +0 anyway,
+# and in the 8-bit format's approximate roots, which only guess a code that one exact comparison then settles (a
+# subnormal y guesses code 0, which is its code). The update itself must use the IEEE sqrt.rn and div.rn.
+BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"div\.approx", r"div\.full", r"^(?!\s*(cvt\.rmi|sqrt\.approx)\.).*\.ftz\."]
+BAD_OUTSIDE_8BIT = [r"sqrt\.approx"]
+REQUIRED = [r"sqrt\.rn\.f32", r"div\.rn\.f32"]
 
 
 def specializations():
@@ -45,6 +49,7 @@ def specializations():
             STOCHASTIC_PARAM=p != "fp32",
             PER_TENSOR_STEP=False,
             ALIGNED=True,
+            EVEN=True,
             ROWS=8,
         )
     for fmt in ("fp32", "compact", "8bit"):
@@ -56,6 +61,7 @@ def specializations():
             STOCHASTIC_PARAM=False,
             PER_TENSOR_STEP=True,
             ALIGNED=False,
+            EVEN=False,
             ROWS=8,
         )
         yield dict(
@@ -66,6 +72,7 @@ def specializations():
             STOCHASTIC_PARAM=False,
             PER_TENSOR_STEP=False,
             ALIGNED=True,
+            EVEN=False,
             ROWS=8,
         )
 
@@ -79,7 +86,8 @@ def main(cc: int) -> int:
         )
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 8, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        bad = [b for b in BAD if re.search(b, ptx, re.M)]
+        bad = [b for b in BAD + (BAD_OUTSIDE_8BIT if spec["FMT"] != "8bit" else []) if re.search(b, ptx, re.M)]
+        bad += [f"missing {r}" for r in REQUIRED if not re.search(r, ptx)]
         failures += bool(bad)
         name = (
             f"{spec['FMT']} p={spec['P_DTYPE']} g={spec['G_DTYPE']} max={spec['MAXIMIZE']} "

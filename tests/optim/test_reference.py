@@ -7,7 +7,7 @@ from apexw_hf import reference as ref
 
 
 def test_hash_matches_python_scalar_mix():
-    key = ref.stream_key(1234, 7, 99, ref.STREAM_M)
+    key = ref.stream_key(1234, 7, 99, ref.STREAM_MV)
     bits = ref.hash_uniform_bits(1000, key, "cpu")
     expected = [ref._mix32((i * ref.GOLDEN + key) & ref.MASK32) for i in range(1000)]
     assert bits.tolist() == expected
@@ -77,8 +77,8 @@ def test_8bit_codes_zero_exact_and_unbiased(n):
     v = m * m
     v[1::11] = 1e-30  # tiny but nonzero
     keyed = lambda s: ref.hash_uniform_bits(n, ref.stream_key(3, 0, 5, s), "cpu")
-    cm, sm = ref.quantize_m(m, keyed(ref.STREAM_M))
-    cv, sv = ref.quantize_v(v, keyed(ref.STREAM_V))
+    cm, sm = ref.quantize_m(m, keyed(ref.STREAM_MV))
+    cv, sv = ref.quantize_v(v, keyed(ref.STREAM_MV))
     assert cm.dtype == torch.int8 and cv.dtype == torch.uint8 and cm.shape == m.shape
     assert sm.dtype == torch.bfloat16 and sm.shape == (ref.num_blocks(n),)
     dm, dv = ref.dequantize_m(cm, sm), ref.dequantize_v(cv, sv)
@@ -98,8 +98,8 @@ def test_8bit_rounding_is_unbiased_on_average():
     m[::256] = 1.0  # block max 1.0, so 0.3 falls between two codes
     v = m * m
     bits = lambda s: ref.hash_uniform_bits(n, ref.stream_key(0, 0, 1, s), "cpu")
-    dm = ref.dequantize_m(*ref.quantize_m(m, bits(ref.STREAM_M)))
-    dv = ref.dequantize_v(*ref.quantize_v(v, bits(ref.STREAM_V)))
+    dm = ref.dequantize_m(*ref.quantize_m(m, bits(ref.STREAM_MV)))
+    dv = ref.dequantize_v(*ref.quantize_v(v, bits(ref.STREAM_MV)))
     sel = m == 0.3
     assert len(dm[sel].unique()) == 2
     assert abs(dm[sel].double().mean().item() / 0.3 - 1) < 2e-3

@@ -32,6 +32,8 @@ def test_two_run_grid(tmp_path):
         "data.num_samples=48",
         "--set",
         "data.validation_samples=16",
+        "--set",
+        "compare.devices=[3]",  # no GPU here: only the assignment (CUDA_VISIBLE_DEVICES per run) is checked
     ]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
@@ -48,7 +50,7 @@ def test_two_run_grid(tmp_path):
         assert r["global_steps"] == 6 and len(r["loss_curve"]) == 6
         assert r["backend"] == "transformers" and r["data_source"] == "shipped"
         assert r["validation_loss"] > 0 and r["steps_per_s"] > 0 and r["optimizer_state_bytes"] > 0
-        assert r["learning_rate"] == 5e-3 and r["seed"] == 0
+        assert r["learning_rate"] == 5e-3 and r["seed"] == 0 and r["cuda_device"] == 3
         pids.add(r["prepared"]["model"])
     assert len(pids) == 1  # both runs start from the same prepared base
     assert runs["apexw_8bit"]["optimizer_class"].endswith("ApexW8bit")
@@ -63,6 +65,7 @@ def test_two_run_grid(tmp_path):
     assert len(rows) == 2 and {r["status"] for r in rows} == {"ok"}
     md = (out / "summary.md").read_text()
     assert "ApexW 8bit (`apexw_8bit`)" in md and "torch AdamW (`adamw_torch`)" in md and "n too small" in md
+    assert "GPUs [3], each seed's runs on one GPU" in md
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the report can be rebuilt from the stored runs alone
