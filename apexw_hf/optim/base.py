@@ -178,6 +178,22 @@ class ApexW(torch.optim.Optimizer):
             return _auto_uses_triton(params[0].is_cuda)
         return True  # "triton": the engine raises a clear error if it cannot run
 
+    def _tensor_index(self, p: torch.Tensor) -> int:
+        """``p``'s position in the flattened param groups: selects its random streams.
+
+        Wrappers may replace the parameter objects after construction (Accelerate's FSDP2 preparation swaps each
+        parameter for its sharded DTensor in place in ``param_groups``); the index then is rebuilt from the groups,
+        positions unchanged, and the replaced tensors are no longer referenced here.
+        """
+        idx = self._param_index.get(p)
+        if idx is None:
+            flat = [q for group in self.param_groups for q in group["params"]]
+            self._param_index = {q: i for i, q in enumerate(flat)}
+            idx = self._param_index.get(p)
+            if idx is None:
+                raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
+        return idx
+
     def _triton_engine(self):
         if self._engine is None:
             from .engine import TritonEngine
@@ -226,7 +242,7 @@ class ApexW(torch.optim.Optimizer):
                 fmt=group["state_format"],
                 scalars=scalars_by_step[t],
                 seed=group["seed"],
-                tensor_index=self._param_index[p],
+                tensor_index=self._tensor_index(p),
                 step=t,
                 maximize=group["maximize"],
                 param_rounding=group["param_rounding"],
@@ -261,7 +277,7 @@ class ApexW(torch.optim.Optimizer):
             for pid, p in zip(saved["params"], ours["params"]):
                 if pid in state_dict["state"]:
                     entry = st.convert_state(
-                        state_dict["state"][pid], p, fmt, seed=seed, tensor_index=self._param_index[p]
+                        state_dict["state"][pid], p, fmt, seed=seed, tensor_index=self._tensor_index(p)
                     )
                     if entry:
                         converted[p] = entry

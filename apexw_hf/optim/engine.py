@@ -8,7 +8,7 @@ Interface with the optimizer (``base.py``)::
 
 ``step_group`` does everything the plain-PyTorch path does for those params: it creates missing state (through
 ``optimizer._init_state``), increments ``state["step"]`` of exactly those params, and applies the update. The random
-streams use ``optimizer._param_index[p]`` as tensor index and ``group["seed"]``, as the reference does.
+streams use ``optimizer._tensor_index(p)`` as tensor index and ``group["seed"]``, as the reference does.
 
 What is cached per group (rebuilt only when the set of stepping params, their state tensors or their grad dtypes
 change): the address tables and work lists on the device (:class:`apexw_hf.kernels.LaunchPlan`), per-tensor random
@@ -74,7 +74,7 @@ class _GroupCache:
                 [dt.local(members[i]) for i in slots],
                 [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],
                 self.fmt,
-                [opt._param_index[members[i]] for i in slots],
+                [opt._tensor_index(members[i]) for i in slots],
                 self.seed,
                 gdt,
             )

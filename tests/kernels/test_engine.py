@@ -100,6 +100,31 @@ def test_engine_resume_from_state_dict():
     _assert_same(pa, oa, pc, oc)
 
 
+@pytest.mark.parametrize("engine", ["triton", "torch"])
+def test_parameters_swapped_after_construction(engine):
+    """A wrapper that replaces the parameter objects in param_groups (Accelerate's FSDP2 preparation swaps in the
+    sharded ones) gets the same steps as an optimizer built on the new objects, and the old ones are released."""
+    import gc
+    import weakref
+
+    grads = _grads(3)
+    old = _params()
+    opt = _optimizer(old, engine, "8bit")
+    pa = _params()
+    it = iter(pa)
+    for group in opt.param_groups:
+        group["params"] = [next(it) for _ in group["params"]]
+    gone = weakref.ref(old[0])
+    del old, it
+    _run(pa, opt, grads)
+    gc.collect()
+    assert gone() is None, "the optimizer still holds a replaced parameter"
+    pb = _params()
+    ob = _optimizer(pb, engine, "8bit")
+    _run(pb, ob, grads)
+    _assert_same(pa, opt, pb, ob)
+
+
 def test_cpu_without_interpreter_raises(monkeypatch):
     import apexw_hf.kernels as k
 
