@@ -297,7 +297,8 @@ def environment():
         )
     except Exception:
         commit, dirty = None, None
-    if not commit or len(commit) != 40:  # no git history in the copy: the caller passes the commit
+    # The caller's APEXW_COMMIT wins: a copied tree may carry no git history, or stale history (the GPU host's copy)
+    if os.environ.get("APEXW_COMMIT") or not commit or len(commit) != 40:
         commit = os.environ.get("APEXW_COMMIT")
         dirty = os.environ.get("APEXW_DIRTY", "unknown")
     return dict(

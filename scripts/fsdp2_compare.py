@@ -87,6 +87,8 @@ def worker(args) -> None:
 
 
 def _commit() -> str:
+    if os.environ.get("APEXW_COMMIT"):  # the caller's commit: a copied tree may carry stale git history
+        return os.environ["APEXW_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     except OSError:

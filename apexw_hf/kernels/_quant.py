@@ -28,9 +28,9 @@ def q4(c):
 @triton.jit
 def dequant_m(codes, scale_bits):
     """int8 codes [R, B] and bf16 scale bits [R] -> fp32 first moment."""
-    c = codes.to(tl.float32)
-    m = q2(tl.abs(c)) * bf16_bits_to_f32(scale_bits)[:, None]
-    return tl.where(c < 0, -m, m)
+    t = codes.to(tl.float32) * INV127
+    # t * |t| is sign(c) * q2(|c|), bit for bit: IEEE products are symmetric in sign
+    return (t * tl.abs(t)) * bf16_bits_to_f32(scale_bits)[:, None]
 
 
 @triton.jit

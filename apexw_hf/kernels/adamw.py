@@ -9,7 +9,9 @@ square root are the correctly rounded ``div_rn`` / ``sqrt_rn``), exactly as
     p = p * (1 - lr * wd) - (m / (sqrt(v) * (1 / sqrt(1 - beta2**t)) + eps)) * (lr / (1 - beta1**t))
 
 One program handles one chunk of ``ROWS * 256`` consecutive elements of one tensor, as a ``[ROWS, 256]`` tile (a row is
-one 8-bit quantization block). The work list gives each program its (tensor, chunk); the address table gives each
+one 8-bit quantization block). Each program finds its (tensor, chunk) from the tensors' first-chunk numbers (a short
+search, started from a table with one entry per WORK_GROUP programs, so no per-chunk list takes device memory); the
+address table gives each
 tensor's parameter, gradient and state pointers (a gradient address of 0 marks a tensor that does not step now).
 Random bits for stochastic rounding come from the counter-based hash of (seed, tensor index, step, stream, element),
 computed in the kernel from a per-tensor key, so nothing but the step number changes from step to step.
@@ -64,9 +66,28 @@ def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr):
         return x.to(tl.float32)
 
 
+WORK_GROUP = tl.constexpr(64)
+
+
+@triton.jit
+def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
+    """The (tensor, chunk) of program ``pid``: the largest t with ``cstart[t] <= pid`` (so a tensor without chunks is
+    never chosen), searched between the tensors of this program's WORK_GROUP and of the next group's first program."""
+    grp = pid // WORK_GROUP
+    lo = tl.load(gfirst_ptr + grp)
+    hi = tl.minimum(tl.load(gfirst_ptr + grp + 1) + 1, num_tensors)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        below = tl.load(cstart_ptr + mid) <= pid
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo, pid - tl.load(cstart_ptr + lo)
+
+
 @triton.jit(do_not_specialize=["num_work", "num_tensors", "step"])
 def _adamw_kernel(
-    work_ptr,  # int32 [2, num_work]: tensor id, chunk id
+    cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
+    gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
     addr_ptr,  # int64 [6, num_tensors]: see ADDR_*
     numel_ptr,  # int64 [num_tensors]
     tkey_ptr,  # int32 [num_tensors]: mix32(seed + GOLDEN * (tensor_index + 1))
@@ -93,8 +114,7 @@ def _adamw_kernel(
     ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = tl.load(work_ptr + pid)
-    chunk = tl.load(work_ptr + num_work + pid)
+    t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
     g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)
     if g_addr != 0:
         numel = tl.load(numel_ptr + t)

@@ -1,21 +1,22 @@
 """Launch table of the AdamW kernel: static per-tensor metadata built once, a few small copies per step.
 
 :class:`LaunchPlan` holds, on the parameters' device, everything about a set of tensors that does not change from
-step to step (addresses of parameters and states, sizes, per-tensor random keys, the work list). Per step only the
-gradient addresses are refreshed (and only when they moved), and, when tensors of the set are at different step
-counts, their per-tensor bias corrections. Both go through pinned host memory with non-blocking copies: no
-host-device synchronization.
+step to step (addresses of parameters and states, sizes, per-tensor random keys, each tensor's first program). Per
+step only the gradient addresses are refreshed (and only when they moved), and, when tensors of the set are at
+different step counts, their per-tensor bias corrections. Both go through pinned host memory with non-blocking
+copies: no host-device synchronization.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import triton
 
 from . import adamw
-from .adamw import NUM_ADDR_ROWS, _adamw_kernel
+from .adamw import NUM_ADDR_ROWS, WORK_GROUP, _adamw_kernel
 
 ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
     adamw.ADDR_PARAM.value,
@@ -35,13 +36,14 @@ _TL_DTYPES = {
     torch.float16: triton.language.float16,
 }
 
-# (rows of 256 elements per program, warps) by state format and parameter element size in bytes; the fastest of
-# scripts/bench_step.py --tune on an H200 (docs/results/step_h200_2026-11-29.json, "tune"). Small tiles won: the update
-# keeps many values live per element, and tiles of 8 elements per thread spilled or lost occupancy.
+# (rows of 256 elements per program, warps) by state format and parameter element size in bytes: the fastest of
+# scripts/bench_step.py --tune on an H200 (docs/results/tune_h200_2026-11-30.json). One warp per 256-element
+# block won for every format and dtype once loads were vectorized: 8 elements per thread, and a block's absmax is a
+# warp reduction without shared memory.
 LAUNCH_CONFIG = {
-    "fp32": {4: (2, 4), 2: (2, 4)},
-    "compact": {4: (2, 4), 2: (2, 4)},
-    "8bit": {4: (1, 2), 2: (1, 2)},
+    "fp32": {4: (1, 1), 2: (1, 1)},
+    "compact": {4: (1, 1), 2: (1, 1)},
+    "8bit": {4: (1, 1), 2: (1, 1)},
 }
 
 _STATE_DTYPES = {
@@ -112,7 +114,7 @@ class LaunchPlan:
         n = len(params)
         self.num_tensors = n
         addr = [[0] * n for _ in range(NUM_ADDR_ROWS)]
-        numel, tkey, work_t, work_c = [], [], [], []
+        numel, tkey, nchunks = [], [], []
         aligned = True
         for i, (p, s) in enumerate(zip(params, states)):
             if p.dtype != self.param_dtype or p.device != self.device:
@@ -136,11 +138,15 @@ class LaunchPlan:
             aligned &= all(a % 16 == 0 for a in (addr[ADDR_PARAM][i], addr[ADDR_M][i], addr[ADDR_V][i]))
             numel.append(p.numel())
             tkey.append(_to_i32(tensor_key(seed, tensor_indices[i])))
-            nchunks = (p.numel() + chunk - 1) // chunk
-            work_t.extend([i] * nchunks)
-            work_c.extend(range(nchunks))
-        if len(work_t) >= 2**31:
+            nchunks.append((p.numel() + chunk - 1) // chunk)
+        cstart = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(nchunks, out=cstart[1:])
+        total = int(cstart[-1])
+        if total >= 2**31 - WORK_GROUP.value:
             raise ValueError("too many chunks for one launch")
+        # the tensor of program k * WORK_GROUP (the last program's for k past the end): where each search starts
+        firsts = np.minimum(np.arange(0, total // WORK_GROUP.value + 2) * WORK_GROUP.value, max(total - 1, 0))
+        gfirst = np.searchsorted(cstart[1:], firsts, side="right")
         self.static_aligned = aligned
         self.even = all(k % QBLOCK == 0 for k in numel)
         self.grads_aligned = False
@@ -148,8 +154,9 @@ class LaunchPlan:
         self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)
         self.numel = torch.tensor(numel, dtype=torch.int64).to(dev)
         self.tkey = torch.tensor(tkey, dtype=torch.int32).to(dev)
-        self.work = torch.tensor([work_t, work_c], dtype=torch.int32).to(dev)
-        self.num_work = len(work_t)
+        self.cstart = torch.from_numpy(cstart.astype(np.int32)).to(dev)
+        self.gfirst = torch.from_numpy(np.minimum(gfirst, n - 1).astype(np.int32)).to(dev)
+        self.num_work = total
         self.tstep = torch.zeros(3, n, dtype=torch.int32, device=dev)
         self._grad_ptrs: list[int] | None = None
 
@@ -179,8 +186,11 @@ class LaunchPlan:
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
         :meth:`set_tensor_steps`."""
         s = scalars
+        if self.num_work == 0:
+            return
         _adamw_kernel[(self.num_work,)](
-            self.work,
+            self.cstart,
+            self.gfirst,
             self.addr,
             self.numel,
             self.tkey,

@@ -61,6 +61,9 @@ class SkipRun(Exception):
 
 
 def _git_commit() -> str | None:
+    """The source tree's commit; ``APEXW_COMMIT`` overrides it (a copied tree may carry no or stale git history)."""
+    if os.environ.get("APEXW_COMMIT"):
+        return os.environ["APEXW_COMMIT"]
     try:
         root = Path(__file__).resolve().parents[2]
         out = subprocess.run(

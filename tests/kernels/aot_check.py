@@ -17,7 +17,8 @@ from triton.backends.compiler import GPUTarget
 from apexw_hf.kernels.adamw import _adamw_kernel
 
 SIGNATURE = {
-    "work_ptr": "*i32",
+    "cstart_ptr": "*i32",
+    "gfirst_ptr": "*i32",
     "addr_ptr": "*i64",
     "numel_ptr": "*i64",
     "tkey_ptr": "*i32",

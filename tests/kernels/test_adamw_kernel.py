@@ -131,3 +131,14 @@ def test_large_tensor_index_and_seed():
     params = [_randn((300,), torch.bfloat16, gen) for _ in range(2)]
     grads = [[_randn((300,), torch.float32, gen) for _ in range(2)]]
     _run_both(params, grads, "compact", seed=2**32 - 1, first_index=123457)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+def test_program_lookup_over_many_tensors(fmt):
+    """Each program finds its tensor by a search that starts from one table entry per 64 programs: tensors of one,
+    none and many chunks, group boundaries falling inside and between tensors, all step exactly as the reference."""
+    gen = torch.Generator().manual_seed(6)
+    sizes = [256] * 70 + [0, 0] + [256 * 130 + 7] + [1, 0, 300] * 10 + [256 * 64] + [0] + [5]
+    params = [_randn((n,), torch.float32, gen) for n in sizes]
+    grads = [[_randn((n,), torch.float32, gen) for n in sizes]]
+    _run_both(params, grads, fmt)
