@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 import warnings
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -11,6 +13,8 @@ import torch
 from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
+
+_GRAD = operator.attrgetter("grad")
 
 ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -209,9 +213,13 @@ class ApexW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = group["params"]
+            grads = list(map(_GRAD, params))  # one C-level pass: the per-tensor host cost of many small tensors
+            if any(map(operator.is_, grads, repeat(None))):
+                params = [p for p, g in zip(params, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
             if self._uses_triton(group, params):
-                self._triton_engine().step_group(group, params)  # checks each new gradient allocation
+                self._triton_engine().step_group(group, params, grads)  # checks each new gradient allocation
             else:
                 self._step_group_torch(group, params)
         return loss

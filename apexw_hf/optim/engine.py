@@ -3,7 +3,7 @@
 Interface with the optimizer (``base.py``)::
 
     engine = TritonEngine(optimizer)        # one per optimizer, created lazily on the first Triton step
-    engine.step_group(group, params)        # params: the group's params whose .grad is not None, in group order
+    engine.step_group(group, params, grads) # params: the group's params whose .grad is not None, in group order
     engine.invalidate()                     # after load_state_dict or any replacement of state tensors
 
 ``step_group`` does everything the plain-PyTorch path does for those params: it creates missing state (through
@@ -17,8 +17,8 @@ so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU t
 
 Host work per step that remains, and why:
 
-* reading ``p.grad`` and its address for every stepping param (one list pass each): autograd may hand out new
-  gradient tensors every step, and the kernel needs their addresses. The address table is copied to the device
+* reading ``p.grad`` (one C-level pass in ``ApexW.step``) and the gradients' addresses (another): autograd may hand
+  out new gradient tensors every step, and the kernel needs their addresses. The address table is copied to the device
   (pinned memory, non-blocking) only when an address changed; when one did, dtype, shape and contiguity of every
   gradient are checked again (an unchanged address list means the same allocations as the checked ones).
 * comparing the list of stepping params with the cached one (``id`` list, C speed), to notice params whose
@@ -151,14 +151,19 @@ class TritonEngine:
         if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"unsupported gradient dtype {g.dtype}; allowed: float32, bfloat16, float16")
 
-    def step_group(self, group: dict, params: list[torch.Tensor]) -> None:
-        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them."""
+    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
+
+        ``grads``: their ``.grad`` tensors, in the same order, when the caller has read them already.
+        """
         if not params:
             return
+        if grads is None:
+            grads = [p.grad for p in params]
         if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
-            ptrs = [p.grad.to_local().data_ptr() for p in params]
+            ptrs = [g.to_local().data_ptr() for g in grads]
         else:
-            ptrs = [p.grad.data_ptr() for p in params]
+            ptrs = list(map(torch.Tensor.data_ptr, grads))
         cache = self._cache.get(id(group))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
@@ -167,15 +172,14 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, [p.grad for p in params])
+                cache = self._rebuild(group, params, grads)
                 full = ids == cache.member_ids
         if group["state_format"] != cache.fmt or group["seed"] != cache.seed:
-            cache = self._rebuild(group, params, [p.grad for p in params])
+            cache = self._rebuild(group, params, grads)
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
         if slot_ptrs != cache.grad_ptrs:
             # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
-            grads = [p.grad for p in params]
             ids = ids or [id(p) for p in params]
             dtypes = list(cache.grad_dtypes)
             for i, p, g in zip(ids, params, grads):
