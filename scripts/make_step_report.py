@@ -30,6 +30,14 @@ def _fmt_ms(r):
     return f"{r['median_ms']:.3f}" if r.get("status") == "ok" else "-"
 
 
+def _dirty_note(dirty) -> str:
+    if dirty in (None, False, ""):
+        return ""
+    if dirty == "unknown":  # the commit came from APEXW_COMMIT: the tree's state was not recorded with it
+        return " (working-tree state not recorded)"
+    return f" (with uncommitted changes: {dirty})" if isinstance(dirty, str) else " (with uncommitted changes)"
+
+
 def report(path: Path) -> tuple[str, dict]:
     data = json.loads(path.read_text())
     env = data["environment"]
@@ -42,7 +50,7 @@ def report(path: Path) -> tuple[str, dict]:
         "",
         f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, bitsandbytes {env['bitsandbytes']}, "
         f"torchao {env['torchao']}, Python {env['python']}; commit `{env['git_commit']}`"
-        f"{' (with uncommitted changes)' if env.get('git_dirty') else ''}; {env['date']}; "
+        f"{_dirty_note(env.get('git_dirty'))}; {env['date']}; "
         f"measured copy bandwidth {env['copy_bandwidth_GBps'] / 1e3:.2f} TB/s.",
         f"Median of {data['settings']['steps']} steps after {data['settings']['warmup']} warm-up steps unless the "
         "row says fewer (slow baselines are capped at a time budget); `x fused` = torch fused time / this time; "
@@ -101,7 +109,7 @@ def plot(datas, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = datas[-1]
+    data = datas[0]
     rows = [r for r in data["rows"] if r.get("status") == "ok"]
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     optimizers = list(dict.fromkeys(r["optimizer"] for r in data["rows"]))
@@ -130,7 +138,8 @@ def plot(datas, out: Path) -> None:
 
 
 def main(argv):
-    paths = [Path(a) for a in argv] or sorted((DOCS / "results").glob("step_*.json"))
+    # newest first; the plot shows the newest run
+    paths = [Path(a) for a in argv] or sorted((DOCS / "results").glob("step_*.json"), reverse=True)
     if not paths:
         sys.exit("no results: run scripts/bench_step.py --out docs/results/step_<gpu>.json first")
     parts = [
