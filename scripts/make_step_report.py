@@ -52,7 +52,13 @@ def report(path: Path) -> tuple[str, dict]:
         f"torchao {env['torchao']}, Python {env['python']}; commit `{env['git_commit']}`"
         f"{_dirty_note(env.get('git_dirty'))}; {env['date']}; "
         f"measured copy bandwidth {env['copy_bandwidth_GBps'] / 1e3:.2f} TB/s.",
-        f"Median of {data['settings']['steps']} steps after {data['settings']['warmup']} warm-up steps unless the "
+        f"Median of {data['settings']['steps']} steps after {data['settings']['warmup']} warm-up steps"
+        + (
+            f" and at least {data['settings']['warmup_seconds']} s of warm-up"
+            if data["settings"].get("warmup_seconds")
+            else ""
+        )
+        + " unless the "
         "row says fewer (slow baselines are capped at a time budget); `x fused` = torch fused time / this time; "
         "`floor` = bytes the step must move (params and grads read, params and states written back) / copy bandwidth.",
         "",
