@@ -37,9 +37,9 @@ switches to round-to-nearest-even).
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -81,14 +81,20 @@ INV255 = torch.tensor(1.0 / 255.0, dtype=torch.float32).item()
 TWO_POW_M24 = 2.0**-24
 
 
+_F32 = struct.Struct("f")
+
+
 def _f32(x: float) -> float:
     """Round a Python float to the nearest fp32 value (kept as a Python float, exactly representable in fp32).
 
-    numpy's C double -> float cast (round to nearest even, overflow to inf) is the one torch applies to scalars; it
-    costs no tensor, which matters in the kernels' per-step host work.
+    ``struct``'s "f" packing is the C double -> float cast (round to nearest even), the one torch applies to
+    scalars; it raises where that cast overflows, and the value then is the signed infinity. About 0.3 us, no
+    tensor and no numpy call: this runs 8 times in every optimizer step.
     """
-    with np.errstate(over="ignore"):
-        return float(np.float32(x))
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
 
 
 @dataclass(frozen=True)

@@ -120,3 +120,17 @@ def test_step_scalars_are_fp32_values():
     for value in vars(s).values():
         assert torch.tensor(value, dtype=torch.float32).item() == value
     assert s.decay == torch.tensor(1 - 2e-6, dtype=torch.float32).item()
+
+
+def test_f32_rounding_matches_the_cast_torch_uses():
+    import math
+
+    gen = torch.Generator().manual_seed(0)
+    xs = torch.randn(20000, generator=gen, dtype=torch.float64) * torch.logspace(-45, 39, 20000, dtype=torch.float64)
+    halfway = [1.0 + 2.0**-24, 1.0 + 3 * 2.0**-24, -(1.0 + 2.0**-24)]  # ties to even, both ways
+    edge = [0.0, -0.0, 1e-46, -1e-46, 2.0**-149, 2.0**-150, 3.4028235e38, 3.40282357e38, 3.5e38, -3.5e38, 1e300]
+    for x in xs.tolist() + halfway + edge + [math.inf, -math.inf]:
+        want = torch.tensor(x, dtype=torch.float64).to(torch.float32).item()
+        got = ref._f32(x)
+        assert got == want and math.copysign(1, got) == math.copysign(1, want), (x, got, want)
+    assert math.isnan(ref._f32(math.nan))
