@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -182,17 +183,50 @@ def build_training_arguments(cfg: RecipeConfig, out_dir: str | Path, precision: 
 
 
 class _StepTimer:
-    """Trainer callback recording wall time at each optimizer step (for a steady-state steps/s)."""
+    """Trainer callback recording wall time at each optimizer step (for a steady-state steps/s), and the time of
+    ``optimizer.step()`` itself: CUDA events around it on a GPU (read once training is over, so nothing waits for the
+    device during training), wall clock on the CPU."""
 
     def __new__(cls):
+        import torch
         from transformers import TrainerCallback
 
         class _Impl(TrainerCallback):
             def __init__(self):
                 self.times: list[float] = []
+                self.opt_spans: list = []
+                self._start = None
 
             def on_step_end(self, args, state, control, **kwargs):
                 self.times.append(time.perf_counter())
+
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                if torch.cuda.is_available():
+                    self._start = torch.cuda.Event(enable_timing=True)
+                    self._start.record()
+                else:
+                    self._start = time.perf_counter()
+
+            def on_optimizer_step(self, args, state, control, **kwargs):
+                if self._start is None:
+                    return
+                if isinstance(self._start, float):
+                    self.opt_spans.append((time.perf_counter() - self._start) * 1e3)
+                else:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    self.opt_spans.append((self._start, end))
+                self._start = None
+
+            def optimizer_step_ms(self) -> float | None:
+                """Median ms of ``optimizer.step()``, the first 10% of steps (compiles, allocations) left out."""
+                if not self.opt_spans:
+                    return None
+                if not isinstance(self.opt_spans[0], float):
+                    torch.cuda.synchronize()
+                ms = [s if isinstance(s, float) else s[0].elapsed_time(s[1]) for s in self.opt_spans]
+                ms = ms[len(ms) // 10 :]
+                return float(statistics.median(ms))
 
         return _Impl()
 
@@ -325,6 +359,7 @@ def run_finetune(
             "train_runtime_s": metrics.get("train_runtime"),
             "steps_per_s": metrics.get("train_steps_per_second"),
             "steps_per_s_steady": _steady_steps_per_s(timer.times),
+            "optimizer_step_ms": timer.optimizer_step_ms(),
             "train_loss_mean": metrics.get("train_loss"),
             "initial_train_loss": losses[0][1],
             "final_train_loss": sum(window) / len(window),

@@ -36,6 +36,7 @@ CSV_FIELDS = [
     "global_steps",
     "steps_per_s",
     "steps_per_s_steady",
+    "optimizer_step_ms",
     "optimizer_state_bytes",
     "optimizer_state_mib",
     "peak_gpu_mem_allocated_gib",
@@ -182,6 +183,12 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         f"{cfg.train.final_loss_window} logged training losses; validation loss = held-out set after training; "
         "steps/s = Trainer's train_steps_per_second (whole run, warm-up included).",
     ]
+    if any(r.get("optimizer_step_ms") is not None for r in results):
+        lines.append(
+            "- optimizer step ms = median time of `optimizer.step()` inside the training loop, first 10% of steps "
+            "left out (CUDA events around it on a GPU: the GPU's time from the step's first to its last kernel, "
+            "host gaps included; wall clock on the CPU)."
+        )
     if meta:
         lines.append(
             f"- grid: {meta['runs']} runs in {meta['wall_seconds']:.0f} s wall, process start-ups included "
@@ -214,6 +221,9 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
     lines.append("")
     mem_h = "peak GPU mem (GiB)" if gpu else "peak RSS (GiB, CPU)"
     head = ["optimizer", mem_h, "optimizer state (MiB)", f"steps/s ({_lr(lrs[0])})"]
+    step_ms = any(r.get("optimizer_step_ms") is not None for r in results)
+    if step_ms:
+        head.append(f"optimizer step ms ({_lr(lrs[0])})")
     for lr in lrs:
         head += [f"final train loss {_lr(lr)}", f"val loss {_lr(lr)}"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -230,6 +240,9 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         state_s = f"{state[0]:.3f}" if len(state) == 1 else _fmt([r["optimizer_state_mib"] for r in runs], 3)
         sps = [r["steps_per_s"] for r in runs if r["learning_rate"] == lrs[0]]
         row = [f"{label} (`{o}`)", _fmt(mem, 3), state_s, _fmt(sps, 3)]
+        if step_ms:
+            at0 = [r["optimizer_step_ms"] for r in runs if r["learning_rate"] == lrs[0] and r.get("optimizer_step_ms")]
+            row.append(_fmt(at0, 3) if at0 else "-")
         for lr in lrs:
             at = [r for r in runs if r["learning_rate"] == lr]
             row += [

@@ -50,6 +50,7 @@ def test_two_run_grid(tmp_path):
         assert r["global_steps"] == 6 and len(r["loss_curve"]) == 6
         assert r["backend"] == "transformers" and r["data_source"] == "shipped"
         assert r["validation_loss"] > 0 and r["steps_per_s"] > 0 and r["optimizer_state_bytes"] > 0
+        assert 0 < r["optimizer_step_ms"] < 1000 * r["train_runtime_s"] / r["global_steps"]  # a part of each step
         assert r["learning_rate"] == 5e-3 and r["seed"] == 0 and r["cuda_device"] == 3
         pids.add(r["prepared"]["model"])
     assert len(pids) == 1  # both runs start from the same prepared base
@@ -66,6 +67,7 @@ def test_two_run_grid(tmp_path):
     md = (out / "summary.md").read_text()
     assert "ApexW 8bit (`apexw_8bit`)" in md and "torch AdamW (`adamw_torch`)" in md and "n too small" in md
     assert "GPUs [3], each seed's runs on one GPU" in md
+    assert "optimizer step ms (0.005)" in md and "median time of `optimizer.step()`" in md
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # the report can be rebuilt from the stored runs alone
