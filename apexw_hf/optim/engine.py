@@ -11,9 +11,9 @@ Interface with the optimizer (``base.py``)::
 streams use ``optimizer._tensor_index(p)`` as tensor index and ``group["seed"]``, as the reference does.
 
 What is cached per group (rebuilt only when the set of stepping params, their state tensors or their grad dtypes
-change): the address tables and work lists on the device (:class:`apexw_hf.kernels.LaunchPlan`), per-tensor random
-keys, and the step counters: ``state["step"]`` of every param in the cache is a 0-dim view into one CPU fp32 buffer,
-so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU tensors for ``state_dict``).
+change): the address and program-to-tensor tables on the device (:class:`apexw_hf.kernels.LaunchPlan`), per-tensor
+random keys, and the step counters: ``state["step"]`` of every param in the cache is a 0-dim view into one CPU fp32
+buffer, so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU tensors for ``state_dict``).
 
 Host work per step that remains, and why:
 
