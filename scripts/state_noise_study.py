@@ -7,6 +7,7 @@ are unsigned minifloats eEmM on the block-normalized value (scale = block absmax
 with the same value-unbiased stochastic choice between neighbouring codes and nonzero v never coded 0.
 
     python scripts/state_noise_study.py [--steps 3000]
+    python scripts/state_noise_study.py --sass     # instruction cost of the two v codecs on sm_90, compiled on the CPU
 
 This is a CPU study for the 8-bit format's design (docs/results/step_h200_2026-11-30.notes.md): minifloat codes are
 cheaper to encode in the kernel than the 4th-root code, and this measures what they would cost in precision.
@@ -52,10 +53,70 @@ def table_codec(table: torch.Tensor):
     return quant, dequant
 
 
+def sass_cost() -> None:
+    """SASS instructions per element (sm_90, one warp per 256-element block) of: decode v, one EMA update, encode v;
+    with the shipped code and with an e4m4 minifloat code (encoded with integer work on the fp32 bits)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+
+    from apexw_hf.kernels._quant import block_scale, dequant_v, normalized, quant_v
+    from apexw_hf.kernels._rounding import bf16_bits_to_f32
+
+    @triton.jit
+    def shipped(g_ptr, c_ptr, s_ptr, bits_ptr):
+        offs = tl.program_id(0) * 256 + tl.arange(0, 256)[None, :]
+        mask = offs < 1 << 30
+        v = dequant_v(tl.load(c_ptr + offs), tl.load(s_ptr + tl.program_id(0) + tl.arange(0, 1)))
+        v = v * 0.999 + tl.load(g_ptr + offs) * 0.001
+        c, sb = quant_v(v, mask, tl.load(bits_ptr + offs).to(tl.uint32, bitcast=True))
+        tl.store(c_ptr + offs, c)
+        tl.store(s_ptr + tl.program_id(0) + tl.arange(0, 1), sb)
+
+    @triton.jit
+    def e4m4(g_ptr, c_ptr, s_ptr, bits_ptr):
+        offs = tl.program_id(0) * 256 + tl.arange(0, 256)[None, :]
+        mask = offs < 1 << 30
+        codes = tl.load(c_ptr + offs).to(tl.uint32)
+        normal = ((codes + 1792) << 19).to(tl.float32, bitcast=True)  # code >= 16: 2**(E-15) * (1 + m/16)
+        y = tl.where(codes >= 16, normal, codes.to(tl.float32) * (2.0**-18))  # below: code * 2**-18
+        v = y * bf16_bits_to_f32(tl.load(s_ptr + tl.program_id(0) + tl.arange(0, 1)))[:, None]
+        v = v * 0.999 + tl.load(g_ptr + offs) * 0.001
+        sb, inv = block_scale(v, mask)
+        y = normalized(v, inv)
+        r16 = tl.load(bits_ptr + offs).to(tl.uint32, bitcast=True) & 0xFFFF
+        cn = ((y.to(tl.uint32, bitcast=True) + (r16 << 3)) >> 19) - 1792  # stochastic: 16 random bits below m
+        cs = tl.floor(y * (2.0**18) + r16.to(tl.float32) * (2.0**-16)).to(tl.uint32)
+        c = tl.where(y >= 2.0**-14, cn, cs)
+        c = tl.where((v > 0) & (c == 0), 1, c)
+        tl.store(c_ptr + offs, c.to(tl.uint8))
+        tl.store(s_ptr + tl.program_id(0) + tl.arange(0, 1), sb)
+
+    sig = {"g_ptr": "*fp32", "c_ptr": "*u8", "s_ptr": "*u16", "bits_ptr": "*i32"}
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    for name, fn in (("shipped 4th-root code", shipped), ("e4m4 minifloat code", e4m4)):
+        src = triton.compiler.ASTSource(fn=fn, signature=sig)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "enable_fp_fusion": False})
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, "k.cubin").write_bytes(k.asm["cubin"])
+            sass = subprocess.run([str(tool), "-sass", str(Path(d, "k.cubin"))], capture_output=True, text=True).stdout
+        ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+        main_path = ins[: next((i for i, line in enumerate(ins) if "RET" in line), len(ins))]
+        print(f"{name:24s} {len(main_path) / 8:.1f} SASS instructions per element (main path)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--sass", action="store_true", help="print the codecs' instruction cost instead")
     args = ap.parse_args()
+    if args.sass:
+        sass_cost()
+        return
     blocks = 64
     n = ref.BLOCK * blocks
     level = torch.logspace(-4, 0, ref.BLOCK).repeat(blocks)  # v / block max of each element, constant g^2
