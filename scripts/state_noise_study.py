@@ -8,6 +8,7 @@ with the same value-unbiased stochastic choice between neighbouring codes and no
 
     python scripts/state_noise_study.py [--steps 3000]
     python scripts/state_noise_study.py --sass     # instruction cost of the two v codecs on sm_90, compiled on the CPU
+    python scripts/state_noise_study.py --train    # small trainings (tests/optim/test_convergence.py's), 5 seeds
 
 This is a CPU study for the 8-bit format's design (docs/results/step_h200_2026-11-30.notes.md): minifloat codes are
 cheaper to encode in the kernel than the 4th-root code, and this measures what they would cost in precision.
@@ -109,13 +110,62 @@ def sass_cost() -> None:
         print(f"{name:24s} {len(main_path) / 8:.1f} SASS instructions per element (main path)")
 
 
+def train_study(seeds=range(5)) -> None:
+    """Final losses of the convergence tests' two small trainings (longer) with torch AdamW, the shipped 8-bit state,
+    and the shipped state with an e4m4 v code swapped into the reference (the plain-PyTorch path)."""
+    import statistics
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "optim"))
+    from test_convergence import _teacher_student, _tiny_llama
+
+    from apexw_hf import ApexW
+
+    shipped = (ref.quantize_v, ref.dequantize_v)
+    quant, dequant = table_codec(minifloat_table(4, 4))
+
+    def quant44(v, bits):
+        idx, scale = quant(v, bits)
+        return idx.reshape(-1)[: v.numel()].to(torch.uint8).view(v.shape), scale
+
+    def dequant44(codes, scale):
+        return dequant(ref._blocks(codes.to(torch.float32)).long(), scale)[: codes.numel()].view(codes.shape)
+
+    def apexw(codec):
+        def make(params):
+            ref.quantize_v, ref.dequantize_v = codec
+            return ApexW(params, lr=3e-3, weight_decay=0.01, state_format="8bit", engine="torch")
+
+        return make
+
+    makers = {
+        "torch AdamW": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        "8-bit, shipped v code": apexw(shipped),
+        "8-bit, e4m4 v code": apexw((quant44, dequant44)),
+    }
+    try:
+        for task, fn, steps in (("teacher-student MLP", _teacher_student, 300), ("tiny Llama", _tiny_llama, 120)):
+            for name, make in makers.items():
+                losses = [fn(s, make, steps=steps) for s in seeds]
+                mean, sd = statistics.fmean(losses), statistics.stdev(losses)
+                print(
+                    f"{task:20s} {name:22s} final loss {mean:.4f} +- {sd:.4f}  {[round(x, 4) for x in losses]}",
+                    flush=True,
+                )
+    finally:
+        ref.quantize_v, ref.dequantize_v = shipped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--sass", action="store_true", help="print the codecs' instruction cost instead")
+    ap.add_argument("--train", action="store_true", help="small trainings with each v code instead")
     args = ap.parse_args()
     if args.sass:
         sass_cost()
+        return
+    if args.train:
+        train_study()
         return
     blocks = 64
     n = ref.BLOCK * blocks
