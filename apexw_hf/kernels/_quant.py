@@ -69,6 +69,14 @@ TWO_POW_M16 = tl.constexpr(2.0**-16)
 
 
 @triton.jit
+def _q(c, Q4: tl.constexpr):
+    if Q4:
+        return q4(c)
+    else:
+        return q2(c)
+
+
+@triton.jit
 def lower_code(y, root_times_n, top: tl.constexpr, Q4: tl.constexpr):
     """``reference._lower_code`` without an IEEE root: (lo, q(lo), q(lo + 1)) for ``y`` in [0, 1].
 
@@ -79,16 +87,10 @@ def lower_code(y, root_times_n, top: tl.constexpr, Q4: tl.constexpr):
     for bit as the reference's table search.
     """
     lo = tl.minimum(tl.floor(root_times_n), top - 1.0)
-    if Q4:
-        q1 = q4(lo + 1.0)
-        up = (y >= q1) & (lo < top - 1.0)
-        qlo = tl.where(up, q1, q4(lo))
-        qhi = tl.where(up, q4(lo + 2.0), q1)
-    else:
-        q1 = q2(lo + 1.0)
-        up = (y >= q1) & (lo < top - 1.0)
-        qlo = tl.where(up, q1, q2(lo))
-        qhi = tl.where(up, q2(lo + 2.0), q1)
+    q1 = _q(lo + 1.0, Q4)
+    up = (y >= q1) & (lo < top - 1.0)
+    qlo = tl.where(up, q1, _q(lo, Q4))
+    qhi = tl.where(up, _q(lo + 2.0, Q4), q1)
     return lo + up.to(tl.float32), qlo, qhi
 
 

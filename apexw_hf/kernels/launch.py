@@ -170,8 +170,6 @@ class LaunchPlan:
 
     def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
         """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""
-        import numpy as np
-
         packed = np.stack(
             [
                 np.asarray(steps, dtype=np.int32),

@@ -151,15 +151,13 @@ class TritonEngine:
         if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise TypeError(f"unsupported gradient dtype {g.dtype}; allowed: float32, bfloat16, float16")
 
-    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor] | None = None) -> None:
+    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
-        ``grads``: their ``.grad`` tensors, in the same order, when the caller has read them already.
+        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already).
         """
         if not params:
             return
-        if grads is None:
-            grads = [p.grad for p in params]
         if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
             ptrs = [g.to_local().data_ptr() for g in grads]
         else:
