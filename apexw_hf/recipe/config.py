@@ -201,7 +201,8 @@ class CompareConfig:
             raise ValueError(f"compare.jobs={self.jobs} must be >= 1")
         if self.runs_per_device < 1:
             raise ValueError(f"compare.runs_per_device={self.runs_per_device} must be >= 1")
-        if len(set(self.devices)) != len(self.devices) or any(int(d) < 0 for d in self.devices):
+        ints = all(isinstance(d, int) and not isinstance(d, bool) for d in self.devices)
+        if not ints or len(set(self.devices)) != len(self.devices) or any(d < 0 for d in self.devices):
             raise ValueError(f"compare.devices={self.devices} must be distinct CUDA device indices >= 0")
 
 

@@ -64,6 +64,8 @@ def test_overrides_parse_floats_and_lists():
         ({"model": {"name_or_path": "x", "build": {"hidden_size": 8}}}, ValueError, "exactly one"),
         ({"compare": {"seeds": [1, 1]}}, ValueError, "duplicates"),
         ({"compare": {"devices": [0, 0]}}, ValueError, "distinct CUDA device"),
+        ({"compare": {"devices": ["a"]}}, ValueError, "distinct CUDA device"),
+        ({"compare": {"devices": [0.5]}}, ValueError, "distinct CUDA device"),
         ({"compare": {"runs_per_device": 0}}, ValueError, "runs_per_device=0"),
         ({"lora": {"r": 0}}, ValueError, "r=0"),
     ],
