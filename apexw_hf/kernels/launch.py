@@ -30,6 +30,13 @@ ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
 QBLOCK = 256
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
+# The kernel's parameters after its 17 runtime arguments, in signature order: LaunchPlan.launch passes them
+# positionally to the compiled kernel, so the order is checked here once.
+_CONSTEXPR_NAMES = ("FMT", "P_DTYPE", "G_DTYPE", "MAXIMIZE", "STOCHASTIC_PARAM", "PER_TENSOR_STEP", "ALIGNED", "EVEN")
+_CONSTEXPR_NAMES += ("ROWS",)
+if tuple(_adamw_kernel.arg_names[17:]) != _CONSTEXPR_NAMES:
+    raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
+
 _TL_DTYPES = {
     torch.float32: triton.language.float32,
     torch.bfloat16: triton.language.bfloat16,
@@ -159,6 +166,7 @@ class LaunchPlan:
         self.num_work = total
         self.tstep = torch.zeros(3, n, dtype=torch.int32, device=dev)
         self._grad_ptrs: list[int] | None = None
+        self._compiled: dict = {}  # specialization -> Triton's compiled kernel (see launch)
 
     def set_grad_ptrs(self, ptrs: list[int]) -> None:
         """Gradient addresses in plan order, 0 for a tensor that does not step now. Copied only when they changed."""
@@ -182,11 +190,19 @@ class LaunchPlan:
     def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False) -> None:
         """One launch over all tensors. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
-        :meth:`set_tensor_steps`."""
+        :meth:`set_tensor_steps`.
+
+        The first launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
+        ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
+        hashing the specialization, looking it up) would otherwise be paid every step, and this plan already knows
+        everything the specialization depends on: its flags below, its own metadata tensors (fixed addresses, so
+        fixed alignment), and the current device. The integer arguments are excluded from specialization
+        (``do_not_specialize``) and floats are never specialized.
+        """
         s = scalars
         if self.num_work == 0:
             return
-        _adamw_kernel[(self.num_work,)](
+        args = (
             self.cstart,
             self.gfirst,
             self.addr,
@@ -204,18 +220,31 @@ class LaunchPlan:
             s.one_minus_beta2,
             s.decay,
             s.eps,
-            FMT=self.fmt,
-            P_DTYPE=_TL_DTYPES[self.param_dtype],
-            G_DTYPE=_TL_DTYPES[self.grad_dtype],
-            MAXIMIZE=bool(maximize),
-            STOCHASTIC_PARAM=bool(stochastic_param),
-            PER_TENSOR_STEP=bool(per_tensor_step),
-            ALIGNED=self.static_aligned and self.grads_aligned,
-            EVEN=self.even,
-            ROWS=self.rows,
+        )
+        constexprs = (
+            self.fmt,
+            _TL_DTYPES[self.param_dtype],
+            _TL_DTYPES[self.grad_dtype],
+            bool(maximize),
+            bool(stochastic_param),
+            bool(per_tensor_step),
+            self.static_aligned and self.grads_aligned,
+            self.even,
+            self.rows,
+        )
+        key = constexprs if INTERPRETED else (constexprs, triton.runtime.driver.active.get_current_device())
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            compiled[(self.num_work, 1, 1)](*args, *constexprs)
+            return
+        compiled = _adamw_kernel[(self.num_work,)](
+            *args,
+            **dict(zip(_CONSTEXPR_NAMES, constexprs)),
             num_warps=self.num_warps,
             enable_fp_fusion=False,
         )
+        if not INTERPRETED:  # the interpreter has no compiled kernel; every launch goes through it
+            self._compiled[key] = compiled
 
 
 def adamw_step_(

@@ -176,7 +176,8 @@ class TritonEngine:
             cache = self._rebuild(group, params, grads)
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-        if slot_ptrs != cache.grad_ptrs:
+        moved = slot_ptrs != cache.grad_ptrs
+        if moved:
             # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
             ids = ids or [id(p) for p in params]
             dtypes = list(cache.grad_dtypes)
@@ -214,7 +215,8 @@ class TritonEngine:
             table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
             scalars = table[lo]
         for plan, slots, slots_np in cache.plans:
-            plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
+            if moved:  # the plans hold cache.grad_ptrs otherwise
+                plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
             if not uniform:
                 t = cache.steps_np[slots_np].astype(np.int64)
                 known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)

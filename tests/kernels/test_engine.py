@@ -189,3 +189,48 @@ def test_host_fp32_rounding_matches_torch():
     values = [10 ** rng.uniform(-45, 39) * rng.choice([1, -1]) for _ in range(20000)] + [0.0, 1e39, -1e39, 3.4e38]
     for x in values:
         assert ref._f32(x) == torch.tensor(x, dtype=torch.float32).item(), x
+
+
+@pytest.mark.gpu
+def test_gpu_later_launches_bypass_the_jit(monkeypatch):
+    """After a plan's first launch compiles (or finds) its kernel, later steps call the compiled kernel directly; the
+    bits stay those of the plain-PyTorch path through a schedule and a change of gradient dtype (a new
+    specialization, which goes through the JIT once)."""
+    if DEVICE != "cuda":
+        pytest.skip("needs the compiled kernels on a GPU")
+    from apexw_hf.kernels import launch
+
+    jit_calls = []
+    real = launch._adamw_kernel
+
+    class Counting:
+        arg_names = real.arg_names
+
+        def __getitem__(self, grid):
+            jit_calls.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(launch, "_adamw_kernel", Counting())
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(4097,), (256, 3), (7,)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    for p in cpu + gpu:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None
+    oc = ApexW(cpu, lr=1e-3, state_format="8bit", engine="torch", seed=3)
+    og = ApexW(gpu, lr=1e-3, state_format="8bit", engine="triton", seed=3)
+    for step in range(6):
+        dtype = torch.bfloat16 if step >= 3 else torch.float32
+        for pc, pg in zip(cpu, gpu):
+            pc.grad = torch.randn(pc.shape, generator=gen).to(dtype)
+            pg.grad = pc.grad.cuda()
+        for o in (oc, og):
+            o.param_groups[0]["lr"] = 1e-3 * (1 + step)
+        oc.step()
+        og.step()
+    assert len(jit_calls) == 2, f"launches through the JIT: {len(jit_calls)} (one per gradient dtype expected)"
+    for i, (a, b) in enumerate(zip(cpu, gpu)):
+        assert same_bits(a.detach(), b.detach().cpu()), f"param {i}: {mismatch(a.detach(), b.detach().cpu())}"
+        for key, v in oc.state[a].items():
+            assert same_bits(v, og.state[b][key].cpu()), f"{key} of param {i}"
