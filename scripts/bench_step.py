@@ -17,12 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 T0 = time.perf_counter()
+CLOCKS = None  # ClockSampler of the run (main)
 
 
 # ---- workloads (FACTS.md) --------------------------------------------------------------------------------------
@@ -229,6 +232,82 @@ def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25):
     return statistics.median(ms), len(ms), warm_s, ms
 
 
+class ClockSampler:
+    """SM clock, power and clock-event (throttle) reasons of the benchmark's GPU, sampled every 100 ms by a background
+    ``nvidia-smi`` while the benchmark runs, so each row can say at which clocks it was timed.
+
+    The issue-bound kernels (8-bit) follow the SM clock, the memory-bound ones do not: without the clock beside the
+    time, a slower row on another machine cannot be told apart from slower code. ``summary(t0, t1)`` gives the samples
+    taken between two ``time.perf_counter()`` readings. Where ``nvidia-smi`` is missing or rejects the query, rows say
+    the clocks were not recorded (``self.error``).
+    """
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu")
+
+    def __init__(self, interval_ms: int = 100):
+        self.samples: list[tuple[float, float, float, float, str]] = []
+        self.error = None
+        self.proc = None
+        uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        targets = ([["-i", uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"]] if uuid else []) + [["-i", visible]]
+        fields = ",".join(self.FIELDS)
+        for target, reasons in itertools.product(
+            targets, ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+        ):
+            query = ["nvidia-smi", f"--query-gpu={fields},{reasons}", "--format=csv,noheader,nounits", *target]
+            try:
+                probe = subprocess.run(query, capture_output=True, text=True, timeout=20)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self.error = f"nvidia-smi not usable: {e}"
+                return
+            lines = probe.stdout.strip().splitlines()
+            if probe.returncode == 0 and len(lines) == 1 and self._parse(lines[0]) is not None:
+                break
+            self.error = f"nvidia-smi query failed: {(probe.stderr or probe.stdout).strip()[:200]}"
+        else:
+            return
+        self.error = None
+        self.proc = subprocess.Popen(
+            query + ["-lms", str(interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+
+    @staticmethod
+    def _parse(line: str):
+        parts = [x.strip() for x in line.split(",")]
+        try:
+            return float(parts[0]), float(parts[1]), float(parts[2]), parts[3]
+        except (IndexError, ValueError):
+            return None
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            got = self._parse(line)
+            if got is not None:
+                self.samples.append((time.perf_counter(), *got))
+
+    def summary(self, t0: float, t1: float) -> dict:
+        if self.error:
+            return {"clocks": f"not recorded ({self.error})"}
+        got = [x for x in self.samples if t0 <= x[0] <= t1]
+        if not got:
+            return {"clocks": "no sample in this window"}
+        sm = [x[1] for x in got]
+        return {
+            "sm_clock_mhz_min": min(sm),
+            "sm_clock_mhz_median": statistics.median(sm),
+            "power_w_max": max(x[2] for x in got),
+            "temperature_c_max": max(x[3] for x in got),
+            "clock_event_reasons": sorted({x[4] for x in got}),
+            "clock_samples": len(got),
+        }
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+
+
 def bench_workload(name, shapes, dtype, optimizers, args, bw):
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype, generator=gen) * 0.02) for s in shapes]
@@ -253,7 +332,9 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
             p.grad = g
         try:
             opt = OPTIMIZERS[opt_name](ps)
+            t_start = time.perf_counter()
             med, n, warm_s, ms = time_steps(opt, args.steps, args.warmup, args.time_budget, args.warmup_seconds)
+            row.update(CLOCKS.summary(t_start, time.perf_counter()) if CLOCKS else {})
             sb = state_bytes(opt)
             moved = sum(p.numel() * p.element_size() * 2 + g.numel() * g.element_size() for p, g in zip(ps, grads))
             moved += 2 * sb
@@ -269,9 +350,10 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
                 floor_ms=moved / bw * 1e3,
                 floor_fraction=moved / bw * 1e3 / med,
             )
+            clk = f", SM {row['sm_clock_mhz_median']:.0f} MHz" if "sm_clock_mhz_median" in row else ""
             print(
                 f"  {opt_name:24s} {med:9.3f} ms  (n={n}, floor {row['floor_ms']:.3f} ms, "
-                f"{row['floor_fraction'] * 100:5.1f}% of floor, {sb / numel:.2f} B/param)",
+                f"{row['floor_fraction'] * 100:5.1f}% of floor, {sb / numel:.2f} B/param{clk})",
                 flush=True,
             )
         except Exception as e:  # a refusal is a result too (e.g. torch fused with bf16 states)
@@ -396,7 +478,10 @@ def main():
         "8bit": [(2, 4, True), (2, 2, True), (1, 4, True), (1, 2, True), (1, 1, True), (2, 1, True)],
     }
 
+    global CLOCKS
     env = environment()
+    CLOCKS = ClockSampler()
+    env["clock_sampling"] = CLOCKS.error or "nvidia-smi every 100 ms: each row's SM clock, power, temperature, reasons"
     bw = copy_bandwidth()
     env["copy_bandwidth_GBps"] = bw / 1e9
     print(
@@ -433,6 +518,7 @@ def main():
             if args.out:  # partial results survive a timeout
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(result, indent=1))
+    CLOCKS.close()
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

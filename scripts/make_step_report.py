@@ -65,26 +65,40 @@ def report(path: Path) -> tuple[str, dict]:
     ]
     if data.get("launch_config"):
         lines += [f"Kernel tiles used (rows of 256, warps) by format and param bytes: `{data['launch_config']}`", ""]
+    clocks = any("sm_clock_mhz_median" in r for r in rows)  # runs since the benchmark samples nvidia-smi
+    if clocks:
+        lines += [
+            "`SM MHz` = median (min) SM clock over the row's warm-up and timed steps (nvidia-smi, every 100 ms).",
+            "",
+        ]
     for w in workloads:
         fused = by.get((w, "torch_fused"), {}).get("median_ms")
         first = next(r for r in rows if r["workload"] == w)
         lines += [
             f"#### {w} ({first['num_tensors']} tensors, {first['numel'] / 1e6:.1f}M params)",
             "",
-            "| optimizer | ms/step | x fused | floor ms | % of floor | state B/param | steps timed |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| optimizer | ms/step | x fused | floor ms | % of floor | state B/param | steps timed |"
+            + (" SM MHz |" if clocks else ""),
+            "|---|---:|---:|---:|---:|---:|---:|" + ("---:|" if clocks else ""),
         ]
         for o in optimizers:
             r = by.get((w, o))
             if r is None:
                 continue
             if r.get("status") != "ok":
-                lines.append(f"| {o} | {r['status']} | | | | | |")
+                lines.append(f"| {o} | {r['status']} | | | | | |" + (" |" if clocks else ""))
                 continue
             ratio = fused / r["median_ms"] if fused else float("nan")
+            clk = ""
+            if clocks:
+                clk = (
+                    f" {r['sm_clock_mhz_median']:.0f} ({r['sm_clock_mhz_min']:.0f}) |"
+                    if "sm_clock_mhz_median" in r
+                    else f" {r.get('clocks', '-')} |"
+                )
             lines.append(
                 f"| {o} | {r['median_ms']:.3f} | {ratio:.2f} | {r['floor_ms']:.3f} | {r['floor_fraction'] * 100:.0f}% "
-                f"| {r['state_bytes_per_param']:.2f} | {r['steps_timed']} |"
+                f"| {r['state_bytes_per_param']:.2f} | {r['steps_timed']} |" + clk
             )
         lines.append("")
     # Targets of issue 3.
