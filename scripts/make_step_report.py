@@ -129,7 +129,9 @@ def plot(datas, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = datas[0]
+    # the newest run among those with the most workloads (a short run of two workloads does not replace a full one)
+    most = max(len({r["workload"] for r in d["rows"]}) for d in datas)
+    data = next(d for d in datas if len({r["workload"] for r in d["rows"]}) == most)
     rows = [r for r in data["rows"] if r.get("status") == "ok"]
     workloads = list(dict.fromkeys(r["workload"] for r in data["rows"]))
     optimizers = list(dict.fromkeys(r["optimizer"] for r in data["rows"]))
@@ -151,15 +153,22 @@ def plot(datas, out: Path) -> None:
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, rotation=15, fontsize=8)
     ax.set_ylabel("speed vs torch fused AdamW (x, log)")
-    ax.set_title(f"Optimizer step, {data['environment']['gpu']} (higher is faster)")
+    env = data["environment"]
+    ax.set_title(
+        f"Optimizer step, {env['gpu']}, commit {env['git_commit'][:7]}, {env['date'][:10]} (higher is faster)"
+    )
     ax.legend(fontsize=7, ncol=4)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
 
 
 def main(argv):
-    # newest first; the plot shows the newest run
-    paths = [Path(a) for a in argv] or sorted((DOCS / "results").glob("step_*.json"), reverse=True)
+    # newest first (by the date each run recorded); the plot shows the newest full run
+    paths = [Path(a) for a in argv] or sorted(
+        (DOCS / "results").glob("step_*.json"),
+        key=lambda p: json.loads(p.read_text())["environment"]["date"],
+        reverse=True,
+    )
     if not paths:
         sys.exit("no results: run scripts/bench_step.py --out docs/results/step_<gpu>.json first")
     parts = [
