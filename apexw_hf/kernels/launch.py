@@ -198,10 +198,24 @@ class LaunchPlan:
         everything the specialization depends on: its flags below, its own metadata tensors (fixed addresses, so
         fixed alignment), and the current device. The integer arguments are excluded from specialization
         (``do_not_specialize``) and floats are never specialized.
+
+        Triton launches on the current CUDA device; a plan on another GPU (a model moved to ``cuda:1`` without
+        ``torch.cuda.set_device``) is launched under a device guard, on that device's current stream.
         """
-        s = scalars
         if self.num_work == 0:
             return
+        index = self.device.index
+        if not INTERPRETED and index is not None and index != torch.cuda.current_device():
+            with torch.cuda.device(index):
+                self.launch(
+                    step=step,
+                    scalars=scalars,
+                    maximize=maximize,
+                    stochastic_param=stochastic_param,
+                    per_tensor_step=per_tensor_step,
+                )
+            return
+        s = scalars
         args = (
             self.cstart,
             self.gfirst,

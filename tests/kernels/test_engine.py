@@ -234,3 +234,25 @@ def test_gpu_later_launches_bypass_the_jit(monkeypatch):
         assert same_bits(a.detach(), b.detach().cpu()), f"param {i}: {mismatch(a.detach(), b.detach().cpu())}"
         for key, v in oc.state[a].items():
             assert same_bits(v, og.state[b][key].cpu()), f"{key} of param {i}"
+
+
+@pytest.mark.gpu
+def test_gpu_params_on_a_second_device():
+    """Parameters on cuda:1 while cuda:0 is current: the kernel runs on their device and gives the reference bits."""
+    if DEVICE != "cuda" or torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    assert torch.cuda.current_device() == 0
+    gen = torch.Generator().manual_seed(6)
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(1000,), (37, 5)]]
+    gpu = [torch.nn.Parameter(p.detach().to("cuda:1")) for p in cpu]
+    oc = ApexW(cpu, lr=1e-3, state_format="8bit", engine="torch", seed=4)
+    og = ApexW(gpu, lr=1e-3, state_format="8bit", engine="triton", seed=4)
+    for _ in range(3):
+        for pc, pg in zip(cpu, gpu):
+            pc.grad = torch.randn(pc.shape, generator=gen)
+            pg.grad = pc.grad.to("cuda:1")
+        oc.step()
+        og.step()
+    torch.cuda.synchronize("cuda:1")
+    for i, (a, b) in enumerate(zip(cpu, gpu)):
+        assert same_bits(a.detach(), b.detach().cpu()), f"param {i}: {mismatch(a.detach(), b.detach().cpu())}"
