@@ -34,6 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from apexw_hf.provenance import source_commit  # noqa: E402
+
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 T0 = time.perf_counter()
 CLOCKS = None  # ClockSampler of the run (main)
@@ -379,19 +381,7 @@ def environment():
         except Exception:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
-            ).stdout.strip()
-        )
-    except Exception:
-        commit, dirty = None, None
-    # The caller's APEXW_COMMIT wins: a copied tree may carry no git history, or stale history (the GPU host's copy)
-    if os.environ.get("APEXW_COMMIT") or not commit or len(commit) != 40:
-        commit = os.environ.get("APEXW_COMMIT")
-        dirty = os.environ.get("APEXW_DIRTY", "unknown")
+    commit, dirty = source_commit()
     return dict(
         gpu=torch.cuda.get_device_name(),
         capability=".".join(map(str, torch.cuda.get_device_capability())),

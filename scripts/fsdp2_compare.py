@@ -29,6 +29,7 @@ def worker(args) -> None:
 
     import apexw_hf  # noqa: F401  (registers optim="apexw_8bit")
     from apexw_hf import optimizer_state_bytes
+    from apexw_hf.provenance import source_commit
 
     cfg = transformers.LlamaConfig(
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
@@ -80,19 +81,10 @@ def worker(args) -> None:
             "losses": losses,
             "gpu": torch.cuda.get_device_name(0),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-            "commit": _commit(),
+            "commit": source_commit()[0] or "unknown",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }
         (args.out / f"fsdp2_{args.optim}.json").write_text(json.dumps(result, indent=1))
-
-
-def _commit() -> str:
-    if os.environ.get("APEXW_COMMIT"):  # the caller's commit: a copied tree may carry stale git history
-        return os.environ["APEXW_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main() -> None:

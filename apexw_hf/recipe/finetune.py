@@ -24,13 +24,13 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from ..provenance import source_commit
 from .config import KNOWN_OPTIMIZERS, RecipeConfig, load_config
 from .model import _cuda, load_model_and_tokenizer, prepare_base, resolve_precision, select_backend
 
@@ -59,20 +59,6 @@ _EXPECTED_CLASS = {
 
 class SkipRun(Exception):
     """The run cannot happen on this machine for a stated reason (reported as 'skipped', not as a failure)."""
-
-
-def _git_commit() -> str | None:
-    """The source tree's commit; ``APEXW_COMMIT`` overrides it (a copied tree may carry no or stale git history)."""
-    if os.environ.get("APEXW_COMMIT"):
-        return os.environ["APEXW_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _source_digest() -> str:
@@ -249,7 +235,7 @@ def _environment(backend: str) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "git_commit": _git_commit(),
+        "git_commit": source_commit()[0],
         "source_sha256": _source_digest(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "backend": backend,
