@@ -7,7 +7,7 @@ are unsigned minifloats eEmM on the block-normalized value (scale = block absmax
 with the same value-unbiased stochastic choice between neighbouring codes and nonzero v never coded 0.
 
     python scripts/state_noise_study.py [--steps 3000]
-    python scripts/state_noise_study.py --sass     # instruction cost of the two v codecs on sm_90, compiled on the CPU
+    python scripts/state_noise_study.py --sass     # instruction cost of the codecs on sm_90, compiled on the CPU
     python scripts/state_noise_study.py --train    # small trainings (tests/optim/test_convergence.py's), 5 seeds
 
 This is a CPU study for the 8-bit format's design (docs/results/step_h200_2026-11-30.notes.md): minifloat codes are
@@ -55,8 +55,9 @@ def table_codec(table: torch.Tensor):
 
 
 def sass_cost() -> None:
-    """SASS instructions per element (sm_90, one warp per 256-element block) of: decode v, one EMA update, encode v;
-    with the shipped code and with an e4m4 minifloat code (encoded with integer work on the fp32 bits)."""
+    """SASS instructions per element (sm_90, one warp per 256-element block) of the 8-bit coding: decode, one EMA
+    update and encode of v alone, then of both moments with their random word (the coding part of the 8-bit kernel);
+    each with the shipped codes and with minifloat codes (encoded with integer work on the fp32 bits)."""
     import re
     import subprocess
     import tempfile
@@ -65,8 +66,8 @@ def sass_cost() -> None:
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
-    from apexw_hf.kernels._quant import block_scale, dequant_v, normalized, quant_v
-    from apexw_hf.kernels._rounding import bf16_bits_to_f32
+    from apexw_hf.kernels._quant import block_scale, dequant_m, dequant_v, normalized, quant_m, quant_v
+    from apexw_hf.kernels._rounding import GOLDEN, bf16_bits_to_f32, uniform_bits
 
     @triton.jit
     def shipped(g_ptr, c_ptr, s_ptr, bits_ptr):
@@ -97,17 +98,82 @@ def sass_cost() -> None:
         tl.store(c_ptr + offs, c.to(tl.uint8))
         tl.store(s_ptr + tl.program_id(0) + tl.arange(0, 1), sb)
 
+    @triton.jit
+    def both_shipped(g_ptr, mc_ptr, vc_ptr, ms_ptr, vs_ptr, key):
+        """Both moments as shipped: decode, update, one random word, encode (the 8-bit kernel's coding part)."""
+        b = tl.program_id(0)
+        offs = b * 256 + tl.arange(0, 256)[None, :]
+        mask = offs < 1 << 30
+        srow = b + tl.arange(0, 1)
+        g = tl.load(g_ptr + offs)
+        m = dequant_m(tl.load(mc_ptr + offs), tl.load(ms_ptr + srow))
+        v = dequant_v(tl.load(vc_ptr + offs), tl.load(vs_ptr + srow))
+        m = m * 0.9 + g * 0.1
+        v = v * 0.999 + (g * g) * 0.001
+        bits = uniform_bits(offs.to(tl.uint32) * GOLDEN, key.to(tl.uint32))
+        cm, sm = quant_m(m, mask, bits)
+        cv, sv = quant_v(v, mask, bits)
+        tl.store(mc_ptr + offs, cm)
+        tl.store(vc_ptr + offs, cv)
+        tl.store(ms_ptr + srow, sm)
+        tl.store(vs_ptr + srow, sv)
+
+    @triton.jit
+    def both_minifloat(g_ptr, mc_ptr, vc_ptr, ms_ptr, vs_ptr, key):
+        """The same with minifloat codes: m as sign + e4m3 (subnormals below 2**-14, code * 2**-17), v as e4m4
+        (code * 2**-18 below 2**-14), both rounded stochastically by adding random bits below the kept mantissa."""
+        b = tl.program_id(0)
+        offs = b * 256 + tl.arange(0, 256)[None, :]
+        mask = offs < 1 << 30
+        srow = b + tl.arange(0, 1)
+        g = tl.load(g_ptr + offs)
+        cm = tl.load(mc_ptr + offs).to(tl.uint32)
+        mag = cm & 127
+        am = tl.where(mag >= 8, ((mag + 896) << 20).to(tl.float32, bitcast=True), mag.to(tl.float32) * (2.0**-17))
+        m = tl.where(cm >= 128, -am, am) * bf16_bits_to_f32(tl.load(ms_ptr + srow))[:, None]
+        cv = tl.load(vc_ptr + offs).to(tl.uint32)
+        yv = tl.where(cv >= 16, ((cv + 1792) << 19).to(tl.float32, bitcast=True), cv.to(tl.float32) * (2.0**-18))
+        v = yv * bf16_bits_to_f32(tl.load(vs_ptr + srow))[:, None]
+        m = m * 0.9 + g * 0.1
+        v = v * 0.999 + (g * g) * 0.001
+        bits = uniform_bits(offs.to(tl.uint32) * GOLDEN, key.to(tl.uint32))
+        rm, rv = bits >> 16, bits & 0xFFFF
+        a = tl.abs(m)
+        sbm, invm = block_scale(a, mask)
+        y = normalized(a, invm)
+        cn = ((y.to(tl.uint32, bitcast=True) + (rm << 4)) >> 20) - 896
+        cs = tl.floor(y * (2.0**17) + rm.to(tl.float32) * (2.0**-16)).to(tl.uint32)
+        c = tl.where(y >= 2.0**-14, cn, cs) | tl.where(m < 0, 128, 0)
+        sbv, invv = block_scale(v, mask)
+        y = normalized(v, invv)
+        cn = ((y.to(tl.uint32, bitcast=True) + (rv << 3)) >> 19) - 1792
+        cs = tl.floor(y * (2.0**18) + rv.to(tl.float32) * (2.0**-16)).to(tl.uint32)
+        c2 = tl.where(y >= 2.0**-14, cn, cs)
+        c2 = tl.where((v > 0) & (c2 == 0), 1, c2)
+        tl.store(mc_ptr + offs, c.to(tl.uint8))
+        tl.store(vc_ptr + offs, c2.to(tl.uint8))
+        tl.store(ms_ptr + srow, sbm)
+        tl.store(vs_ptr + srow, sbv)
+
     sig = {"g_ptr": "*fp32", "c_ptr": "*u8", "s_ptr": "*u16", "bits_ptr": "*i32"}
+    sig2 = {"g_ptr": "*fp32", "mc_ptr": "*i8", "vc_ptr": "*u8", "ms_ptr": "*u16", "vs_ptr": "*u16", "key": "i32"}
+    sig3 = {**sig2, "mc_ptr": "*u8"}
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    for name, fn in (("shipped 4th-root code", shipped), ("e4m4 minifloat code", e4m4)):
-        src = triton.compiler.ASTSource(fn=fn, signature=sig)
+    probes = (
+        ("v only: shipped 4th-root code", shipped, sig),
+        ("v only: e4m4 minifloat code", e4m4, sig),
+        ("m and v: shipped codes", both_shipped, sig2),
+        ("m and v: e4m3 / e4m4 minifloats", both_minifloat, sig3),
+    )
+    for name, fn, signature in probes:
+        src = triton.compiler.ASTSource(fn=fn, signature=signature)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         with tempfile.TemporaryDirectory() as d:
             Path(d, "k.cubin").write_bytes(k.asm["cubin"])
             sass = subprocess.run([str(tool), "-sass", str(Path(d, "k.cubin"))], capture_output=True, text=True).stdout
         ins = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
         main_path = ins[: next((i for i, line in enumerate(ins) if "RET" in line), len(ins))]
-        print(f"{name:24s} {len(main_path) / 8:.1f} SASS instructions per element (main path)")
+        print(f"{name:34s} {len(main_path) / 8:.1f} SASS instructions per element (main path)")
 
 
 def train_study(seeds=range(5)) -> None:
