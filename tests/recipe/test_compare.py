@@ -75,3 +75,20 @@ def test_two_run_grid(tmp_path):
     proc = subprocess.run(cmd + ["--report-only"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "summary.md").read_text() == md
+
+
+def _plan(overrides):
+    from apexw_hf.recipe.compare import plan_grid
+    from apexw_hf.recipe.config import load_config
+
+    return [(c["optim"], c["seed"]) for c in plan_grid(load_config("offline_default", overrides))]
+
+
+def test_plan_alternates_order_and_interleaves_devices():
+    grid = ["compare.optimizers=[a,b,c]", "compare.learning_rates=[0.001]", "compare.seeds=[1,2,3]"]
+    # one device: seed-major, every second seed in reverse, so each optimizer's average position is the same
+    assert _plan(grid) == [("a", 1), ("b", 1), ("c", 1), ("c", 2), ("b", 2), ("a", 2), ("a", 3), ("b", 3), ("c", 3)]
+    # two devices (seeds 1, 3 on the first, 2 on the second): their runs alternate, so both start at once
+    assert _plan(grid + ["compare.devices=[0,1]"]) == [
+        ("a", 1), ("c", 2), ("b", 1), ("b", 2), ("c", 1), ("a", 2), ("a", 3), ("b", 3), ("c", 3),
+    ]  # fmt: skip
