@@ -78,7 +78,6 @@ TWO_POW_M16 = 2.0**-16
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
 INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
 INV255 = torch.tensor(1.0 / 255.0, dtype=torch.float32).item()
-TWO_POW_M24 = 2.0**-24
 
 
 _F32 = struct.Struct("f")
@@ -176,11 +175,6 @@ def hash_uniform_bits(numel: int, key: int, device) -> torch.Tensor:
     """32 random bits per element (int64 tensor in [0, 2**32)): ``mix32(index * GOLDEN + key)``."""
     idx = torch.arange(numel, device=device, dtype=torch.int64) & MASK32
     return _mix32_t((_mul32(idx, GOLDEN) + key) & MASK32)
-
-
-def _uniform(bits: torch.Tensor) -> torch.Tensor:
-    """Uniform fp32 in [0, 1) from the top 24 of 32 random bits (exact in fp32)."""
-    return (bits >> 8).to(torch.float32) * TWO_POW_M24
 
 
 def _uniform16(half: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,17 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The kernel's parameters after its 17 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
-_CONSTEXPR_NAMES = ("FMT", "P_DTYPE", "G_DTYPE", "MAXIMIZE", "STOCHASTIC_PARAM", "PER_TENSOR_STEP", "ALIGNED", "EVEN")
-_CONSTEXPR_NAMES += ("ROWS",)
+_CONSTEXPR_NAMES = (
+    "FMT",
+    "P_DTYPE",
+    "G_DTYPE",
+    "MAXIMIZE",
+    "STOCHASTIC_PARAM",
+    "PER_TENSOR_STEP",
+    "ALIGNED",
+    "EVEN",
+    "ROWS",
+)
 if tuple(_adamw_kernel.arg_names[17:]) != _CONSTEXPR_NAMES:
     raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
 
@@ -196,25 +205,23 @@ class LaunchPlan:
         ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
         hashing the specialization, looking it up) would otherwise be paid every step, and this plan already knows
         everything the specialization depends on: its flags below, its own metadata tensors (fixed addresses, so
-        fixed alignment), and the current device. The integer arguments are excluded from specialization
+        fixed alignment), and its device. The integer arguments are excluded from specialization
         (``do_not_specialize``) and floats are never specialized.
 
         Triton launches on the current CUDA device; a plan on another GPU (a model moved to ``cuda:1`` without
-        ``torch.cuda.set_device``) is launched under a device guard, on that device's current stream.
+        ``torch.cuda.set_device``) is launched under a device guard, on that device's current stream. So every launch
+        of a plan happens on the plan's device, and its compiled kernels are those of that device.
         """
         if self.num_work == 0:
             return
         index = self.device.index
-        if not INTERPRETED and index is not None and index != torch.cuda.current_device():
+        if INTERPRETED or index is None or index == torch.cuda.current_device():
+            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
+        else:
             with torch.cuda.device(index):
-                self.launch(
-                    step=step,
-                    scalars=scalars,
-                    maximize=maximize,
-                    stochastic_param=stochastic_param,
-                    per_tensor_step=per_tensor_step,
-                )
-            return
+                self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
+
+    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step) -> None:
         s = scalars
         args = (
             self.cstart,
@@ -246,8 +253,7 @@ class LaunchPlan:
             self.even,
             self.rows,
         )
-        key = constexprs if INTERPRETED else (constexprs, triton.runtime.driver.active.get_current_device())
-        compiled = self._compiled.get(key)
+        compiled = self._compiled.get(constexprs)
         if compiled is not None:
             compiled[(self.num_work, 1, 1)](*args, *constexprs)
             return
@@ -258,7 +264,7 @@ class LaunchPlan:
             enable_fp_fusion=False,
         )
         if not INTERPRETED:  # the interpreter has no compiled kernel; every launch goes through it
-            self._compiled[key] = compiled
+            self._compiled[constexprs] = compiled
 
 
 def adamw_step_(
