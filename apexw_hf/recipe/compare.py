@@ -45,23 +45,25 @@ def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
     optimizers go in the configured order for the 1st, 3rd, ... seed and in reverse for the others: on a GPU the runs
     go one at a time, and the run in first position was 6-7% slower in steps/s than the one after it in the H200 grids
     (docs/results/h200_llama32_3b_alone), so alternating gives every optimizer the same average position. With
-    several ``compare.devices`` (seed ``i`` runs on device ``i % len(devices)``), the devices' runs are interleaved,
-    so the first ``jobs`` runs started reach every device instead of queueing on the first one.
+    ``compare.devices``, seed ``i`` runs on device ``i % len(devices)`` (each cell's ``"device"``), and with several
+    the devices' runs are interleaved, so the first ``jobs`` runs started reach every device instead of queueing on
+    the first one.
     """
+    devices = cfg.compare.devices
     per_seed = []
     for i, s in enumerate(cfg.compare.seeds):
         opts = cfg.compare.optimizers if i % 2 == 0 else cfg.compare.optimizers[::-1]
+        where = {"device": devices[i % len(devices)]} if devices else {}
         per_seed.append(
             [
-                {"optim": o, "lr": lr, "seed": s, "name": f"{o}_lr{lr:g}_seed{s}"}
+                {"optim": o, "lr": lr, "seed": s, "name": f"{o}_lr{lr:g}_seed{s}", **where}
                 for lr in cfg.compare.learning_rates
                 for o in opts
             ]
         )
-    ndev = len(cfg.compare.devices)
-    if ndev < 2:
+    if len(devices) < 2:
         return [cell for runs in per_seed for cell in runs]
-    queues = [[cell for i, runs in enumerate(per_seed) if i % ndev == d for cell in runs] for d in range(ndev)]
+    queues = [[cell for runs in per_seed for cell in runs if cell["device"] == d] for d in devices]
     return [q[k] for k in range(max(map(len, queues))) for q in queues if k < len(q)]
 
 
@@ -194,13 +196,11 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
         run_dir = runs_dir / cell["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
         run_env = env
-        devices = cfg.compare.devices
-        if devices:
-            dev = devices[cfg.compare.seeds.index(cell["seed"]) % len(devices)]
+        if "device" in cell:
+            dev = cell["device"]
             run_env = {**env, "CUDA_VISIBLE_DEVICES": str(dev)}
             if "APEXW_GPU_LOCK" in env:
                 run_env["APEXW_GPU_LOCK"] = f"{env['APEXW_GPU_LOCK']}.{dev}"
-            cell = {**cell, "device": dev}
         ts = time.time()
         rc = _run_child(
             [
