@@ -24,13 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import kernel_variants  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from aot_check import SIGNATURE  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-
-from apexw_hf.kernels.adamw import _adamw_kernel  # noqa: E402
 
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 INSN = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);")
@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cc", type=int, default=90, help="compute capability: 90 H100/H200, 80 A100, 75 T4")
     ap.add_argument("--uneven", action="store_true", help="the EVEN=False specialization (element masks)")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
+    ap.add_argument("--variant", default="shipped", choices=list(kernel_variants.VARIANTS), help="a probe variant")
     a = ap.parse_args()
     spec = dict(
         FMT=a.fmt,
@@ -58,7 +59,7 @@ def main() -> None:
         ROWS=a.rows,
     )
     src = triton.compiler.ASTSource(
-        fn=_adamw_kernel, signature={**SIGNATURE, **{k: "constexpr" for k in spec}}, constexprs=spec
+        fn=kernel_variants.load(a.variant), signature={**SIGNATURE, **{k: "constexpr" for k in spec}}, constexprs=spec
     )
     k = triton.compile(
         src, target=GPUTarget("cuda", a.cc, 32), options={"num_warps": a.warps, "enable_fp_fusion": False}

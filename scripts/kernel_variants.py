@@ -1,0 +1,49 @@
+"""Probe variants of the AdamW kernel, for measuring what limits it: NOT shippable numerics.
+
+Each variant is the shipped kernel source (``apexw_hf/kernels/adamw.py``) with a few expressions replaced, written
+next to it as ``apexw_hf/kernels/_variant_<name>.py`` (git-ignored) so that its relative imports and Triton's source
+lookup work, and imported. ``scripts/sass_count.py --variant`` counts its instructions on the CPU;
+``scripts/issue_probe.py`` times it on a GPU through the normal launch plan.
+
+Variants:
+    shipped      the kernel as it is.
+    approx_math  the update's IEEE square root and division replaced by the approximate hardware ones (tl.sqrt,
+                 ``/``): the cost of correct rounding, including the per-element slow-path branches ptxas emits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ROOT / "apexw_hf" / "kernels"
+
+VARIANTS: dict[str, list[tuple[str, str]]] = {
+    "shipped": [],
+    "approx_math": [
+        ("denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps", "denom = tl.sqrt(v) * inv_bc2_sqrt + eps"),
+        ("tl.math.div_rn(m, denom)", "(m / denom)"),
+    ],
+}
+
+
+def load(name: str):
+    """The ``_adamw_kernel`` of variant ``name`` (the shipped one for ``shipped``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    if name == "shipped":
+        from apexw_hf.kernels.adamw import _adamw_kernel
+
+        return _adamw_kernel
+    src = (KERNELS / "adamw.py").read_text()
+    for old, new in VARIANTS[name]:
+        if src.count(old) != 1:
+            raise RuntimeError(f"variant {name!r}: {old!r} occurs {src.count(old)} times in adamw.py")
+        src = src.replace(old, new)
+    path = KERNELS / f"_variant_{name}.py"
+    if not path.exists() or path.read_text() != src:
+        path.write_text(src)
+    importlib.invalidate_caches()
+    return importlib.import_module(f"apexw_hf.kernels._variant_{name}")._adamw_kernel
