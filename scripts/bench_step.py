@@ -77,11 +77,11 @@ WORKLOADS = {
 # ---- optimizers ------------------------------------------------------------------------------------------------
 
 
-def _apexw(fmt, engine):
+def _apexw(fmt, engine, param_rounding="stochastic"):
     def make(params):
         from apexw_hf.optim import ApexW
 
-        return ApexW(params, state_format=fmt, engine=engine, **HP)
+        return ApexW(params, state_format=fmt, engine=engine, param_rounding=param_rounding, **HP)
 
     return make
 
@@ -135,6 +135,9 @@ OPTIMIZERS = {
     "apexw_compact_triton": _apexw("compact", "triton"),
     "apexw_8bit_auto": _apexw("8bit", "auto"),
     "apexw_8bit_triton": _apexw("8bit", "triton"),
+    # bf16 parameters rounded to nearest, as torch fused rounds them (the default rounds stochastically)
+    "apexw_compact_nearest": _apexw("compact", "triton", "nearest"),
+    "apexw_8bit_nearest": _apexw("8bit", "triton", "nearest"),
     "torch_fused": _torch(fused=True),
     "torch_foreach": _torch(foreach=True),
     "torch_fused_bf16_state": _torch_fused_bf16_state,
@@ -148,6 +151,13 @@ SLOW = ("torch_compile", "torchao_adamw8bit", "torchao_adamw4bit")
 
 # What a run on a budget leaves out, and why (stored with the results; nothing is left out silently).
 SKIP = {
+    **{
+        (f"apexw_{fmt}_nearest", w): "param_rounding applies to bf16/fp16 parameters only: with fp32 parameters "
+        f"this is apexw_{fmt}_triton"
+        for fmt in ("compact", "8bit")
+        for w, (_, dtype) in WORKLOADS.items()
+        if dtype == torch.float32
+    },
     ("torch_compile", "5000x4096 fp32"): "compiling a 5000-tensor step takes many minutes; outside the device budget",
     (
         "torch_compile",

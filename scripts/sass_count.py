@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--cc", type=int, default=90, help="compute capability: 90 H100/H200, 80 A100, 75 T4")
     ap.add_argument("--uneven", action="store_true", help="the EVEN=False specialization (element masks)")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
+    ap.add_argument("--nearest", action="store_true", help="16-bit parameters rounded to nearest")
     ap.add_argument("--variant", default="shipped", choices=list(kernel_variants.VARIANTS), help="a probe variant")
     a = ap.parse_args()
     spec = dict(
@@ -52,7 +53,7 @@ def main() -> None:
         P_DTYPE=DTYPES[a.param_dtype],
         G_DTYPE=DTYPES[a.param_dtype],
         MAXIMIZE=False,
-        STOCHASTIC_PARAM=a.param_dtype != "fp32",
+        STOCHASTIC_PARAM=a.param_dtype != "fp32" and not a.nearest,
         PER_TENSOR_STEP=False,
         ALIGNED=True,
         EVEN=not a.uneven,
