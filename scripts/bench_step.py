@@ -19,6 +19,7 @@ import datetime
 import gc
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -210,11 +211,16 @@ def state_bytes(opt):
     return total
 
 
-def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25):
+def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.5):
     """Median of CUDA-event step times after at least ``warmup`` steps and ``warmup_s`` seconds of warm-up.
 
     The time floor matters for host-bound steps (a fraction of a millisecond): right after compiles or idle, the
     first optimizer of a workload was slower than an identical one timed later in the same run.
+
+    At least ``steps`` steps are timed, and more until they cover ``min_window_s`` seconds: 30 steps of a 0.2 ms
+    host-bound step span 6 ms, so one pause of the host process of a few milliseconds (a garbage collection, another
+    process on the core) moved the median of a whole row; over half a second it cannot. Steps so slow that ``steps``
+    of them exceed ``time_budget_s`` stop after 3.
     """
     t0 = time.perf_counter()
     done = 0
@@ -225,10 +231,12 @@ def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25):
             torch.cuda.synchronize()
     torch.cuda.synchronize()
     warm_s = time.perf_counter() - t0
-    # One timed step decides how many fit the budget (never fewer than 30 unless the budget says so).
+    # Three timed steps decide how many to time.
     events = []
     t1 = time.perf_counter()
-    for i in range(steps):
+    n = steps
+    i = 0
+    while i < n:
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         opt.step()
@@ -239,6 +247,8 @@ def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25):
             per = (time.perf_counter() - t1) / 3
             if per * steps > time_budget_s:
                 break
+            n = max(steps, min(math.ceil(min_window_s / per), int(time_budget_s / per)))
+        i += 1
     torch.cuda.synchronize()
     ms = [s.elapsed_time(e) for s, e in events]
     return statistics.median(ms), len(ms), warm_s, ms
@@ -345,7 +355,9 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
         try:
             opt = OPTIMIZERS[opt_name](ps)
             t_start = time.perf_counter()
-            med, n, warm_s, ms = time_steps(opt, args.steps, args.warmup, args.time_budget, args.warmup_seconds)
+            med, n, warm_s, ms = time_steps(
+                opt, args.steps, args.warmup, args.time_budget, args.warmup_seconds, args.min_window
+            )
             row.update(CLOCKS.summary(t_start, time.perf_counter()) if CLOCKS else {})
             sb = state_bytes(opt)
             moved = sum(p.numel() * p.element_size() * 2 + g.numel() * g.element_size() for p, g in zip(ps, grads))
@@ -356,6 +368,7 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
                 steps_timed=n,
                 warmup_s=warm_s,
                 min_ms=min(ms),
+                p90_ms=statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else ms[0],
                 state_bytes=sb,
                 state_bytes_per_param=sb / numel,
                 bytes_moved=moved,
@@ -464,6 +477,9 @@ def main():
     ap.add_argument(
         "--warmup-seconds", type=float, default=0.25, help="warm up at least this long (at most 100x --warmup steps)"
     )
+    ap.add_argument(
+        "--min-window", type=float, default=0.5, help="time steps until they cover at least this many seconds"
+    )
     ap.add_argument("--time-budget", type=float, default=20.0, help="seconds of timed steps per optimizer at most")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS))
@@ -489,7 +505,13 @@ def main():
         f"torchao {env['torchao']}  copy bandwidth {bw / 1e12:.2f} TB/s",
         flush=True,
     )
-    settings = dict(steps=args.steps, warmup=args.warmup, warmup_seconds=args.warmup_seconds, hyperparameters=HP)
+    settings = dict(
+        steps=args.steps,
+        warmup=args.warmup,
+        warmup_seconds=args.warmup_seconds,
+        min_window_seconds=args.min_window,
+        hyperparameters=HP,
+    )
     result = dict(environment=env, settings=settings, rows=[])
     if args.tune:
         result["tune"] = tune(args, bw)

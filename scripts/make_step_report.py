@@ -52,7 +52,13 @@ def report(path: Path) -> tuple[str, dict]:
         f"torchao {env['torchao']}, Python {env['python']}; commit `{env['git_commit']}`"
         f"{_dirty_note(env.get('git_dirty'))}; {env['date']}; "
         f"measured copy bandwidth {env['copy_bandwidth_GBps'] / 1e3:.2f} TB/s.",
-        f"Median of {data['settings']['steps']} steps after {data['settings']['warmup']} warm-up steps"
+        f"Median of {data['settings']['steps']} steps"
+        + (
+            f" or more, until they cover {data['settings']['min_window_seconds']} s (the `steps timed` column),"
+            if data["settings"].get("min_window_seconds")
+            else ""
+        )
+        + f" after {data['settings']['warmup']} warm-up steps"
         + (
             f" and at least {data['settings']['warmup_seconds']} s of warm-up"
             if data["settings"].get("warmup_seconds")
