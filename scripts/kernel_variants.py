@@ -1,8 +1,8 @@
 """Probe variants of the AdamW kernel, for measuring what limits it: NOT shippable numerics.
 
-Each variant is the shipped kernel source (``apexw_hf/kernels/adamw.py``) with a few expressions replaced, written
-next to it as ``apexw_hf/kernels/_variant_<name>.py`` (git-ignored) so that its relative imports and Triton's source
-lookup work, and imported. ``scripts/sass_count.py --variant`` counts its instructions on the CPU;
+Each variant is the shipped kernel source (``apexw_hf/kernels/adamw.py``) with a few expressions replaced and its
+relative imports made absolute, written to ``<tmp>/apexw_kernel_variants/_variant_<name>.py`` (Triton reads a kernel's
+source from its file) and imported from there. ``scripts/sass_count.py --variant`` counts its instructions on the CPU;
 ``scripts/issue_probe.py`` times it on a GPU through the normal launch plan.
 
 Variants:
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,12 +39,16 @@ def load(name: str):
 
         return _adamw_kernel
     src = (KERNELS / "adamw.py").read_text()
-    for old, new in VARIANTS[name]:
-        if src.count(old) != 1:
+    for old, new in [*VARIANTS[name], ("from ._", "from apexw_hf.kernels._")]:
+        if old not in src or (old != "from ._" and src.count(old) != 1):
             raise RuntimeError(f"variant {name!r}: {old!r} occurs {src.count(old)} times in adamw.py")
         src = src.replace(old, new)
-    path = KERNELS / f"_variant_{name}.py"
+    folder = Path(tempfile.gettempdir()) / "apexw_kernel_variants"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"_variant_{name}.py"
     if not path.exists() or path.read_text() != src:
         path.write_text(src)
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
-    return importlib.import_module(f"apexw_hf.kernels._variant_{name}")._adamw_kernel
+    return importlib.import_module(f"_variant_{name}")._adamw_kernel
