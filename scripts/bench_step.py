@@ -150,15 +150,17 @@ OPTIMIZERS = {
 # Baselines with long warm-up (compilation): a run past its --deadline skips these, and says so.
 SLOW = ("torch_compile", "torchao_adamw8bit", "torchao_adamw4bit")
 
-# What a run on a budget leaves out, and why (stored with the results; nothing is left out silently).
-SKIP = {
-    **{
-        (f"apexw_{fmt}_nearest", w): "param_rounding applies to bf16/fp16 parameters only: with fp32 parameters "
-        f"this is apexw_{fmt}_triton"
-        for fmt in ("compact", "8bit")
-        for w, (_, dtype) in WORKLOADS.items()
-        if dtype == torch.float32
-    },
+# Rows that would repeat another row (param_rounding has no effect on fp32 parameters).
+NOT_APPLICABLE = {
+    (f"apexw_{fmt}_nearest", w): "param_rounding applies to bf16/fp16 parameters only: with fp32 parameters "
+    f"this is apexw_{fmt}_triton"
+    for fmt in ("compact", "8bit")
+    for w, (_, dtype) in WORKLOADS.items()
+    if dtype == torch.float32
+}
+# What a run on a budget leaves out, and why (stored with the results; nothing is left out silently);
+# --no-budget-skips times them anyway.
+BUDGET_SKIP = {
     ("torch_compile", "5000x4096 fp32"): "compiling a 5000-tensor step takes many minutes; outside the device budget",
     (
         "torch_compile",
@@ -343,8 +345,11 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
             rows.append(row)
             print(f"  {opt_name:24s} {row['status']}", flush=True)
             continue
-        if (opt_name, name) in SKIP:
-            row["status"] = "skipped: " + SKIP[(opt_name, name)]
+        skip = NOT_APPLICABLE.get((opt_name, name)) or (
+            None if args.no_budget_skips else BUDGET_SKIP.get((opt_name, name))
+        )
+        if skip:
+            row["status"] = "skipped: " + skip
             rows.append(row)
             print(f"  {opt_name:24s} {row['status']}", flush=True)
             continue
@@ -484,6 +489,9 @@ def main():
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS))
     ap.add_argument("--skip", nargs="*", default=[], help="optimizer names to leave out (recorded as skipped)")
+    ap.add_argument(
+        "--no-budget-skips", action="store_true", help="time the baselines a full run skips for device time"
+    )
     ap.add_argument("--tune", action="store_true", help="time kernel tile variants first")
     ap.add_argument("--bench", action="store_true", help="with --tune: then benchmark with the fastest tiles")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which remaining entries are skipped")
