@@ -213,6 +213,12 @@ def state_bytes(opt):
     return total
 
 
+def bytes_moved(params, grads, opt) -> int:
+    """Bytes one step must move: parameters read and written, gradients read, optimizer state read and written."""
+    moved = sum(p.numel() * p.element_size() * 2 + g.numel() * g.element_size() for p, g in zip(params, grads))
+    return moved + 2 * state_bytes(opt)
+
+
 def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.5):
     """Median of CUDA-event step times after at least ``warmup`` steps and ``warmup_s`` seconds of warm-up.
 
@@ -365,8 +371,7 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
             )
             row.update(CLOCKS.summary(t_start, time.perf_counter()) if CLOCKS else {})
             sb = state_bytes(opt)
-            moved = sum(p.numel() * p.element_size() * 2 + g.numel() * g.element_size() for p, g in zip(ps, grads))
-            moved += 2 * sb
+            moved = bytes_moved(ps, grads, opt)
             row.update(
                 status="ok",
                 median_ms=med,

@@ -25,19 +25,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import kernel_variants  # noqa: E402
-from bench_step import HP, ClockSampler, copy_bandwidth, environment, time_steps  # noqa: E402
+from bench_step import HP, ClockSampler, bytes_moved, copy_bandwidth, environment, time_steps  # noqa: E402
 
 from apexw_hf.kernels import launch  # noqa: E402
 from apexw_hf.optim import ApexW  # noqa: E402
 
 SHIPPED_KERNEL = launch._adamw_kernel
 SHIPPED_CONFIG = {k: dict(v) for k, v in launch.LAUNCH_CONFIG.items()}
-BYTES = {  # bytes per parameter per step (read p, g, m, v; write p, m, v), 8-bit with its block scales
-    ("compact", 4): 20,
-    ("compact", 2): 14,
-    ("8bit", 4): 16 + 4 * 2 / 256,
-    ("8bit", 2): 10 + 4 * 2 / 256,
-}
 
 
 def cases(dtype):
@@ -55,7 +49,7 @@ def cases(dtype):
     return out
 
 
-def run(label, opt, dname, numel, nbytes, bw, steps, clocks, rows):
+def run(label, opt, params, dname, bw, steps, clocks, rows):
     t0 = time.perf_counter()
     med, n, _, ms = time_steps(opt, steps, 5, 30.0)
     row = dict(
@@ -64,7 +58,7 @@ def run(label, opt, dname, numel, nbytes, bw, steps, clocks, rows):
         median_ms=med,
         min_ms=min(ms),
         steps=n,
-        floor_ms=numel * nbytes / bw * 1e3,
+        floor_ms=bytes_moved(params, [p.grad for p in params], opt) / bw * 1e3,
         **clocks.summary(t0, time.perf_counter()),
     )
     rows.append(row)
@@ -91,10 +85,9 @@ def main() -> None:
         ]
         for p in params:
             p.grad = torch.randn(p.shape, device="cuda", dtype=dtype, generator=gen) * 1e-3
-        numel = sum(p.numel() for p in params)
-        common = dict(dname=dname, numel=numel, bw=bw, steps=a.steps, clocks=clocks, rows=rows)
+        common = dict(params=params, dname=dname, bw=bw, steps=a.steps, clocks=clocks, rows=rows)
         fused = torch.optim.AdamW(params, fused=True, **HP)
-        base = run("torch_fused", fused, nbytes=28 if size == 4 else 14, **common)
+        base = run("torch_fused", fused, **common)
         del fused
         print(f"{dname} torch_fused {base['median_ms']:.3f} ms")
         for fmt, variant, tile, stochastic in cases(dtype):
@@ -106,7 +99,7 @@ def main() -> None:
             rounding = "stochastic" if stochastic else "nearest"
             try:
                 opt = ApexW(params, state_format=fmt, engine="triton", param_rounding=rounding, **HP)
-                row = run(label, opt, nbytes=BYTES[(fmt, size)], **common)
+                row = run(label, opt, **common)
                 del opt
             finally:
                 launch._adamw_kernel = SHIPPED_KERNEL

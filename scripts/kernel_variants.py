@@ -39,10 +39,11 @@ def load(name: str):
 
         return _adamw_kernel
     src = (KERNELS / "adamw.py").read_text()
-    for old, new in [*VARIANTS[name], ("from ._", "from apexw_hf.kernels._")]:
-        if old not in src or (old != "from ._" and src.count(old) != 1):
+    for old, new in VARIANTS[name]:
+        if src.count(old) != 1:
             raise RuntimeError(f"variant {name!r}: {old!r} occurs {src.count(old)} times in adamw.py")
         src = src.replace(old, new)
+    src = src.replace("from ._", "from apexw_hf.kernels._")  # the variant is imported from outside the package
     folder = Path(tempfile.gettempdir()) / "apexw_kernel_variants"
     folder.mkdir(exist_ok=True)
     path = folder / f"_variant_{name}.py"
