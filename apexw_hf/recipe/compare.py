@@ -2,7 +2,10 @@
 
 With no arguments it runs the embedded offline default (``apexw_hf/configs/offline_default.yaml``): a small Llama,
 the shipped instruction set, on the CPU, in a few minutes. Give a config path (or a shipped config's name) for
-anything else, e.g. ``apexw-compare configs/llama32_3b_t4.yaml``.
+anything else, e.g. ``apexw-compare configs/llama32_3b_t4.yaml``, or the full fine-tune comparison
+``apexw-compare offline_full`` (CPU) / ``apexw-compare configs/llama32_1b_full_h200.yaml`` (GPU). Optimizers are
+``optim`` strings, optionally with the dtype the parameters are kept in: ``adamw_torch_fused@fp32`` (fp32 master
+weights, bf16 autocast) vs ``apexw_8bit@bf16`` (the model itself in bf16).
 
 Each run is a fresh ``python -m apexw_hf.recipe.finetune`` process, so peak-memory numbers belong to that run alone.
 The runner shows progress, keeps each run's JSON and log under ``<output_dir>/runs/``, and writes:
@@ -11,7 +14,8 @@ The runner shows progress, keeps each run's JSON and log under ``<output_dir>/ru
 * ``summary.md``: the table shaped like the published one (peak memory, optimizer-state MiB, steps/s, final train
   loss per learning rate) plus held-out validation loss, as mean +- std over seeds, and Welch's t-test of each
   optimizer against the baseline (``compare.baseline``);
-* ``loss_curves.png``: training loss against step, mean over seeds, one panel per learning rate.
+* ``loss_curves.png``: training loss against step, mean over seeds, one panel per learning rate (and one with each
+  optimizer at its best learning rate when learning rates were swept).
 
 ``--report-only`` rebuilds those three files from the run JSONs already in ``<output_dir>/runs``.
 """
@@ -41,7 +45,10 @@ __all__ = ["main", "plan_grid", "run_grid"]
 def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
     """All runs in the order they are started.
 
-    Seed-major (a grid stopped early by ``max_minutes`` still has whole seeds of every optimizer). Within a seed the
+    Every optimizer runs at the shared ``compare.learning_rates`` and at its own ``compare.lr_sweep`` entries.
+    An optimizer may carry the parameter dtype of its runs (``"apexw_8bit@bf16"``, see
+    :func:`~apexw_hf.recipe.config.split_optimizer_spec`). Seed-major (a grid stopped early by ``max_minutes`` still
+    has whole seeds of every optimizer). Within a seed the
     optimizers go in the configured order for the 1st, 3rd, ... seed and in reverse for the others: on a GPU the runs
     go one at a time, and the run in first position was 6-7% slower in steps/s than the one after it in the H200 grids
     (docs/results/h200_llama32_3b_alone), so alternating gives every optimizer the same average position. With
@@ -54,11 +61,13 @@ def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
     for i, s in enumerate(cfg.compare.seeds):
         opts = cfg.compare.optimizers if i % 2 == 0 else cfg.compare.optimizers[::-1]
         where = {"device": devices[i % len(devices)]} if devices else {}
+        lrs = list(dict.fromkeys(lr for o in opts for lr in cfg.compare.learning_rates_of(o)))
         per_seed.append(
             [
                 {"optim": o, "lr": lr, "seed": s, "name": f"{o}_lr{lr:g}_seed{s}", **where}
-                for lr in cfg.compare.learning_rates
+                for lr in lrs
                 for o in opts
+                if lr in cfg.compare.learning_rates_of(o)
             ]
         )
     if len(devices) < 2:
@@ -372,10 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         n = len(plan_grid(cfg))
+        n_lrs = len({lr for o in cfg.compare.optimizers for lr in cfg.compare.learning_rates_of(o)})
         print(
-            f"[apexw-compare] config {cfg.name}: {len(cfg.compare.optimizers)} optimizers x "
-            f"{len(cfg.compare.learning_rates)} learning rates x {len(cfg.compare.seeds)} seeds = {n} runs, "
-            f"{jobs} at a time; output {out}",
+            f"[apexw-compare] config {cfg.name} ({cfg.train.finetuning} fine-tuning): "
+            f"{len(cfg.compare.optimizers)} optimizers x {n_lrs} learning rates"
+            f"{' (per-optimizer sweeps)' if cfg.compare.lr_sweep else ''} x {len(cfg.compare.seeds)} seeds = {n} "
+            f"runs, {jobs} at a time; output {out}",
             flush=True,
         )
         load0 = os.getloadavg()

@@ -33,6 +33,9 @@ __all__ = [
     "apply_overrides",
     "DEFAULT_CONFIG",
     "KNOWN_OPTIMIZERS",
+    "PARAM_DTYPES",
+    "split_optimizer_spec",
+    "optimizer_label",
 ]
 
 DEFAULT_CONFIG = "offline_default"
@@ -45,6 +48,48 @@ KNOWN_OPTIMIZERS = {
     "apexw_8bit": "ApexW 8bit",
 }
 _PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+_FINETUNING = ("lora", "full")
+# dtype the trainable parameters are stored (and updated) in. fp32 with a bf16/fp16 `precision` is mixed precision:
+# fp32 master weights, computation under autocast. bf16 is the model itself in bf16, no fp32 copy anywhere.
+PARAM_DTYPES = ("fp32", "bf16")
+_FP16_PARAMS = (
+    "fp16 parameters cannot be trained with the Trainer's fp16 mixed precision (its GradScaler refuses fp16 "
+    "gradients) and fp16 has too little range to train without it. Use bf16 parameters on a GPU with bf16 "
+    "(Ampere or newer: `@bf16`), or keep fp32 parameters with fp16 autocast on a GPU without bf16 such as the T4 "
+    "(`@fp32`, train.precision: fp16), or train LoRA adapters"
+)
+
+
+def split_optimizer_spec(spec: str) -> tuple[str, str | None]:
+    """``"apexw_8bit@bf16"`` -> ``("apexw_8bit", "bf16")``; a name without ``@`` -> ``(name, None)``.
+
+    The part after ``@`` is the dtype the trainable parameters are kept in for that run (see :data:`PARAM_DTYPES`);
+    without it the run uses ``train.param_dtype``.
+    """
+    if not isinstance(spec, str) or not spec:
+        raise TypeError(
+            f"an optimizer must be a non-empty string such as 'apexw_8bit' or 'apexw_8bit@bf16', got {spec!r}"
+        )
+    name, sep, dtype = spec.partition("@")
+    if not sep:
+        return spec, None
+    if dtype == "fp16":
+        raise ValueError(f"optimizer {spec!r}: {_FP16_PARAMS}")
+    if not name or dtype not in PARAM_DTYPES:
+        raise ValueError(
+            f"optimizer {spec!r}: expected NAME@DTYPE with DTYPE one of {', '.join(PARAM_DTYPES)} (e.g. "
+            "'apexw_8bit@bf16'), or a plain optim name"
+        )
+    return name, dtype
+
+
+def optimizer_label(spec: str) -> str:
+    """Readable label of an optimizer spec: ``"apexw_8bit@bf16"`` -> ``"ApexW 8bit, bf16 params"``."""
+    name, dtype = split_optimizer_spec(spec)
+    label = KNOWN_OPTIMIZERS.get(name, name)
+    return label if dtype is None else f"{label}, {dtype} params"
+
+
 _BACKENDS = ("auto", "unsloth", "transformers")
 _SOURCES = ("auto", "hub", "shipped")
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -135,6 +180,10 @@ class TrainConfig:
     """Trainer arguments of one run (the grid varies ``optim``, ``learning_rate`` and ``seed``)."""
 
     backend: str = "auto"  # auto: Unsloth when it is installed and a CUDA GPU is present, else transformers + PEFT
+    finetuning: str = "lora"  # "lora": adapters on a frozen base; "full": every parameter of the model trains
+    # dtype of the trainable parameters: "auto" = fp32 (LoRA adapters, and full fine-tunes with fp32 master weights);
+    # "bf16" = the model itself in bf16 (full fine-tuning only). A grid cell `optim@dtype` overrides it per run.
+    param_dtype: str = "auto"
     optim: str = "adamw_8bit"
     learning_rate: float = 2e-4
     seed: int = 3407
@@ -157,6 +206,22 @@ class TrainConfig:
             raise ValueError(f"train.backend={self.backend!r}; allowed: {', '.join(_BACKENDS)}")
         if self.precision not in _PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r}; allowed: {', '.join(_PRECISIONS)}")
+        if self.finetuning not in _FINETUNING:
+            raise ValueError(f"train.finetuning={self.finetuning!r}; allowed: {', '.join(_FINETUNING)}")
+        if self.param_dtype == "fp16":
+            raise ValueError(f"train.param_dtype='fp16': {_FP16_PARAMS}")
+        if self.param_dtype not in ("auto", *PARAM_DTYPES):
+            raise ValueError(f"train.param_dtype={self.param_dtype!r}; allowed: auto, {', '.join(PARAM_DTYPES)}")
+        if self.param_dtype == "bf16" and self.finetuning == "lora":
+            raise ValueError(
+                "train.param_dtype='bf16' applies to full fine-tuning (train.finetuning: full); LoRA adapters "
+                "train in fp32 on a frozen base"
+            )
+        if "@" in self.optim:
+            raise ValueError(
+                f"train.optim={self.optim!r}: give the parameter dtype as train.param_dtype (the `optim@dtype` "
+                "spelling is for compare.optimizers)"
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"train.learning_rate={self.learning_rate} must be positive")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -173,6 +238,9 @@ class CompareConfig:
 
     optimizers: list[str] = field(default_factory=lambda: ["adamw_torch", "adamw_8bit", "apexw_compact", "apexw_8bit"])
     learning_rates: list[float] = field(default_factory=lambda: [2e-4, 5e-5])
+    # More learning rates per optimizer, beside the shared ones: {optimizer: [lr, ...]} (or one list for every
+    # optimizer). Each optimizer is then also reported at its best learning rate (see `report.best_learning_rates`).
+    lr_sweep: dict[str, list[float]] | list[float] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=lambda: [3407])
     baseline: str = "adamw_torch"  # the optimizer the significance tests compare against
     output_dir: str = "runs/compare"
@@ -187,6 +255,11 @@ class CompareConfig:
     # measured under sharing; peak memory (per process) is not affected.
     runs_per_device: int = 1
 
+    def learning_rates_of(self, spec: str) -> list[float]:
+        """Every learning rate ``spec`` runs at: the shared ones, then its sweep (duplicates dropped)."""
+        extra = self.lr_sweep.get(spec, []) if isinstance(self.lr_sweep, dict) else self.lr_sweep
+        return list(dict.fromkeys([*self.learning_rates, *map(float, extra)]))
+
     def validate(self) -> None:
         for name, seq in (
             ("optimizers", self.optimizers),
@@ -197,6 +270,21 @@ class CompareConfig:
                 raise ValueError(f"compare.{name} is empty")
             if len(set(seq)) != len(seq):
                 raise ValueError(f"compare.{name} has duplicates: {seq}")
+        for spec in self.optimizers:
+            split_optimizer_spec(spec)
+        split_optimizer_spec(self.baseline)
+        if isinstance(self.lr_sweep, dict):
+            unknown = sorted(set(self.lr_sweep) - set(self.optimizers))
+            if unknown:
+                raise ValueError(
+                    f"compare.lr_sweep names {unknown}, which are not in compare.optimizers {self.optimizers}"
+                )
+            sweeps = self.lr_sweep.values()
+        else:
+            sweeps = [self.lr_sweep]
+        for lrs in sweeps:
+            if not isinstance(lrs, list) or not all(isinstance(x, (int, float)) and x > 0 for x in lrs):
+                raise ValueError(f"compare.lr_sweep entries must be lists of positive learning rates, got {lrs!r}")
         if self.jobs < 1:
             raise ValueError(f"compare.jobs={self.jobs} must be >= 1")
         if self.runs_per_device < 1:
@@ -245,6 +333,12 @@ def _coerce(cls: type, key: str, value: Any, where: str) -> Any:
     ref = default.default if default.default is not dataclasses.MISSING else default.default_factory()
     if ref is None or value is None:
         return value
+    if key == "lr_sweep":
+        if isinstance(value, dict):
+            return {str(k): [float(x) for x in v] if isinstance(v, list) else v for k, v in value.items()}
+        if isinstance(value, list):
+            return [float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x for x in value]
+        raise TypeError(f"{where}.{key}={value!r}: expected a mapping optimizer -> list of learning rates, or a list")
     if isinstance(ref, bool) or isinstance(value, bool):
         if key == "gradient_checkpointing" and isinstance(value, str | bool):
             return value

@@ -1,5 +1,6 @@
-"""One LoRA fine-tune driven by one config: Unsloth when it is installed and a CUDA GPU is present, else
-transformers + PEFT. Writes a result JSON with the numbers the comparison table needs.
+"""One fine-tune driven by one config (LoRA adapters, or every parameter with ``train.finetuning: full``): Unsloth
+when it is installed and a CUDA GPU is present, else transformers (+ PEFT for LoRA). Writes a result JSON with the
+numbers the comparison table needs.
 
 Steps: (1) ``prepare_base`` makes what every run of a grid shares: for a model built from a config, random weights
 (seeded by ``model.init_seed``) and, without a hub tokenizer, a BPE tokenizer trained on the training split; both
@@ -12,6 +13,7 @@ Command line (one run; ``apexw-compare`` calls this once per grid cell, each in 
 
     python -m apexw_hf.recipe.finetune --config offline_default --set train.max_steps=20
     python -m apexw_hf.recipe.finetune --config configs/llama32_3b_t4.yaml --optim apexw_8bit --lr 2e-4 --seed 1
+    python -m apexw_hf.recipe.finetune --config offline_full --optim apexw_8bit@bf16 --set train.max_steps=20
 """
 
 from __future__ import annotations
@@ -31,8 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from ..provenance import source_commit
-from .config import KNOWN_OPTIMIZERS, RecipeConfig, load_config
-from .model import _cuda, load_model_and_tokenizer, prepare_base, resolve_precision, select_backend
+from .config import RecipeConfig, load_config, optimizer_label, split_optimizer_spec
+from .model import (
+    _cuda,
+    load_model_and_tokenizer,
+    prepare_base,
+    resolve_param_dtype,
+    resolve_precision,
+    select_backend,
+)
 
 __all__ = [
     "select_backend",
@@ -250,6 +259,32 @@ def _environment(backend: str) -> dict[str, Any]:
     return env
 
 
+def _run_key(cfg: RecipeConfig) -> str:
+    """The name a run is reported under: ``optim``, with ``@dtype`` when the parameter dtype was chosen."""
+    t = cfg.train
+    return t.optim if t.param_dtype == "auto" else f"{t.optim}@{t.param_dtype}"
+
+
+def training_memory(model: Any, opt: Any) -> dict[str, Any]:
+    """Bytes of what training keeps per trainable parameter: the parameters, their gradients (same dtype as the
+    parameter in PyTorch) and the optimizer state, each counted once (tied weights once)."""
+    import apexw_hf
+
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    param_b = sum(p.numel() * p.element_size() for p in trainable)
+    state_b = int(apexw_hf.optimizer_state_bytes(opt))
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in trainable})
+    return {
+        "total_params": sum(p.numel() for p in params),
+        "trainable_param_dtypes": dtypes,
+        "trainable_param_bytes": param_b,
+        "grad_bytes": param_b,
+        "train_bytes_per_param": (2 * param_b + state_b) / max(1, n_train),
+    }
+
+
 def run_finetune(
     cfg: RecipeConfig, output_dir: str | Path, prepared: dict | None = None, verbose: bool = True
 ) -> dict[str, Any]:
@@ -259,8 +294,11 @@ def run_finetune(
     t = cfg.train
     result: dict[str, Any] = {
         "status": "ok",
-        "optimizer": t.optim,
-        "optimizer_label": KNOWN_OPTIMIZERS.get(t.optim, t.optim),
+        "optimizer": _run_key(cfg),
+        "optim": t.optim,
+        "optimizer_label": optimizer_label(_run_key(cfg)),
+        "finetuning": t.finetuning,
+        "param_dtype": resolve_param_dtype(cfg),
         "learning_rate": t.learning_rate,
         "seed": t.seed,
         "config_name": cfg.name,
@@ -284,7 +322,8 @@ def run_finetune(
     precision = resolve_precision(cfg)
     if verbose:
         print(
-            f"[apexw recipe] backend: {backend} ({why}); precision {precision}; optim {t.optim}; lr "
+            f"[apexw recipe] backend: {backend} ({why}); {t.finetuning} fine-tuning, {result['param_dtype']} "
+            f"parameters, precision {precision}; optim {t.optim}; lr "
             f"{t.learning_rate}; seed {t.seed}",
             flush=True,
         )
@@ -324,6 +363,13 @@ def run_finetune(
     result["optimizer_class"] = _check_optimizer_class(t.optim, real_opt)
     result["optimizer_state_bytes"] = int(apexw_hf.optimizer_state_bytes(opt))
     result["optimizer_state_mib"] = result["optimizer_state_bytes"] / 2**20
+    result.update(training_memory(model, real_opt))
+    want = {"fp32": "float32", "bf16": "bfloat16"}[result["param_dtype"]]
+    if result["trainable_param_dtypes"] != [want]:
+        raise RuntimeError(
+            f"the run asked for {result['param_dtype']} parameters, but after training the trainable parameters are "
+            f"{result['trainable_param_dtypes']}: something in the training stack cast them"
+        )
     engines = sorted({str(g["engine"]) for g in real_opt.param_groups if "engine" in g})
     if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
         result["optimizer_engine"] = ",".join(engines)
@@ -386,16 +432,18 @@ def _write(path: Path, result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="One LoRA fine-tune from a recipe config (see apexw_hf.recipe).")
+    ap = argparse.ArgumentParser(description="One fine-tune from a recipe config (see apexw_hf.recipe).")
     ap.add_argument("--config", default="offline_default", help="YAML path or shipped config name")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    ap.add_argument("--optim"), ap.add_argument("--lr", type=float), ap.add_argument("--seed", type=int)
+    ap.add_argument("--optim", help="an optim name, optionally with the parameter dtype: apexw_8bit@bf16")
+    ap.add_argument("--lr", type=float), ap.add_argument("--seed", type=int)
     ap.add_argument("--output-dir", default=None, help="default: <compare.output_dir>/single")
     ap.add_argument("--prepared", default=None, help="JSON file written by prepare_base (the runner passes it)")
     ap.add_argument("--prepare-only", action="store_true", help="only build the shared base model/tokenizer")
     args = ap.parse_args(argv)
     overrides = list(args.overrides)
-    for key, val in (("optim", args.optim), ("learning_rate", args.lr), ("seed", args.seed)):
+    optim, dtype = split_optimizer_spec(args.optim) if args.optim else (None, None)
+    for key, val in (("optim", optim), ("param_dtype", dtype), ("learning_rate", args.lr), ("seed", args.seed)):
         if val is not None:
             overrides.append(f"train.{key}={val}")
     cfg = load_config(args.config, overrides)
@@ -412,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
         result = {
             "status": "skipped",
             "reason": str(exc),
-            "optimizer": cfg.train.optim,
-            "optimizer_label": KNOWN_OPTIMIZERS.get(cfg.train.optim, cfg.train.optim),
+            "optimizer": _run_key(cfg),
+            "optimizer_label": optimizer_label(_run_key(cfg)),
             "learning_rate": cfg.train.learning_rate,
             "seed": cfg.train.seed,
         }
@@ -427,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "status": "failed",
                 "reason": f"{type(exc).__name__}: {exc}",
-                "optimizer": cfg.train.optim,
+                "optimizer": _run_key(cfg),
                 "learning_rate": cfg.train.learning_rate,
                 "seed": cfg.train.seed,
                 "traceback": traceback.format_exc()[-4000:],

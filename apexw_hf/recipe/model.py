@@ -5,7 +5,8 @@
 * :func:`prepare_base`: for ``model.build`` configs, random weights (seeded by ``model.init_seed``) and, without a hub
   tokenizer, a BPE tokenizer trained on the training split, saved once under ``<output_dir>/base`` so that every run
   of a grid starts from the same base.
-* :func:`load_model_and_tokenizer`: the base model (4-bit where configured) with LoRA adapters initialised from a seed.
+* :func:`load_model_and_tokenizer`: the base model (4-bit where configured) with LoRA adapters initialised from a seed,
+  or, for ``train.finetuning: full``, the whole model in the run's parameter dtype (:func:`resolve_param_dtype`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from .config import RecipeConfig
 
-__all__ = ["select_backend", "prepare_base", "resolve_precision", "load_model_and_tokenizer"]
+__all__ = ["select_backend", "prepare_base", "resolve_precision", "resolve_param_dtype", "load_model_and_tokenizer"]
 
 
 def _cuda() -> bool:
@@ -122,6 +123,11 @@ def prepare_base(cfg: RecipeConfig, output_dir: str | Path, verbose: bool = True
     return prepared
 
 
+def resolve_param_dtype(cfg: RecipeConfig) -> str:
+    """'fp32' or 'bf16': the dtype the trainable parameters are kept in (``train.param_dtype: auto`` = fp32)."""
+    return "fp32" if cfg.train.param_dtype == "auto" else cfg.train.param_dtype
+
+
 def resolve_precision(cfg: RecipeConfig) -> str:
     """'fp32', 'fp16' or 'bf16' for this machine (``train.precision: auto`` picks bf16 where supported)."""
     import torch
@@ -133,21 +139,42 @@ def resolve_precision(cfg: RecipeConfig) -> str:
         return p
     if not torch.cuda.is_available():
         return "fp32"
+    if resolve_param_dtype(cfg) == "bf16" and not torch.cuda.is_bf16_supported():
+        raise RuntimeError(
+            f"bf16 parameters need a GPU with bf16 ({torch.cuda.get_device_name(0)} has none, e.g. a T4): keep fp32 "
+            "parameters (`@fp32`, fp16 autocast) or train LoRA adapters"
+        )
     return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 def _load_unsloth(cfg: RecipeConfig, prepared: dict, seed: int):
     from unsloth import FastLanguageModel  # noqa: I001 - Unsloth must patch transformers before it is used
 
+    full = cfg.train.finetuning == "full"
+    extra: dict[str, Any] = {}
+    if full:  # the whole model trains, in the run's parameter dtype
+        extra = dict(
+            dtype=_torch_dtype(resolve_param_dtype(cfg)),
+            full_finetuning=True,
+            use_gradient_checkpointing=cfg.model.gradient_checkpointing,
+        )
     try:
         model, tok = FastLanguageModel.from_pretrained(
             model_name=prepared["model"],
             max_seq_length=cfg.model.max_seq_length,
-            dtype=None,
             load_in_4bit=cfg.model.load_in_4bit,
+            **{"dtype": None, **extra},
         )
     except (OSError, ValueError) as exc:  # ValueError: huggingface_hub rejects a bad repo id / path
         raise _missing_model_error(prepared["model"], exc) from exc
+    if full:
+        return model, tok
     lc = cfg.lora
     model = FastLanguageModel.get_peft_model(
         model,
@@ -183,7 +210,15 @@ def _load_transformers(cfg: RecipeConfig, prepared: dict, precision: str):
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute,
         )
-    kwargs["dtype"] = {"bf16": torch.bfloat16, "fp16": torch.float32, "fp32": torch.float32}[precision]
+    full = cfg.train.finetuning == "full"
+    if full:
+        if cfg.model.load_in_4bit:
+            raise ValueError(
+                "model.load_in_4bit is for LoRA on a quantized base; full fine-tuning trains every weight"
+            )
+        kwargs["dtype"] = _torch_dtype(resolve_param_dtype(cfg))
+    else:
+        kwargs["dtype"] = {"bf16": torch.bfloat16, "fp16": torch.float32, "fp32": torch.float32}[precision]
     try:
         tok = AutoTokenizer.from_pretrained(prepared["tokenizer"])
         model = AutoModelForCausalLM.from_pretrained(prepared["model"], **kwargs)
@@ -196,7 +231,10 @@ def _load_transformers(cfg: RecipeConfig, prepared: dict, precision: str):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc)
     elif gc:
         model.gradient_checkpointing_enable()
-        model.enable_input_require_grads()
+        if not full:
+            model.enable_input_require_grads()
+    if full:
+        return model, tok
     lc = cfg.lora
     model = get_peft_model(
         model,

@@ -17,9 +17,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .config import KNOWN_OPTIMIZERS, RecipeConfig
+from .config import RecipeConfig, optimizer_label
 
-__all__ = ["welch_t_test", "paired_t_test", "student_t_sf", "summarize", "write_reports", "CSV_FIELDS"]
+__all__ = [
+    "welch_t_test",
+    "paired_t_test",
+    "student_t_sf",
+    "best_learning_rates",
+    "summarize",
+    "write_reports",
+    "CSV_FIELDS",
+    "BEST_LR_RULE",
+]
 
 ALPHA = 0.05
 CSV_FIELDS = [
@@ -28,6 +37,9 @@ CSV_FIELDS = [
     "reason",
     "optimizer",
     "optimizer_label",
+    "optim",
+    "finetuning",
+    "param_dtype",
     "learning_rate",
     "seed",
     "backend",
@@ -42,11 +54,15 @@ CSV_FIELDS = [
     "peak_gpu_mem_allocated_gib",
     "peak_gpu_mem_reserved_gib",
     "peak_rss_gib",
+    "trainable_param_bytes",
+    "grad_bytes",
+    "train_bytes_per_param",
     "initial_train_loss",
     "final_train_loss",
     "last_train_loss",
     "validation_loss",
     "trainable_params",
+    "total_params",
     "train_runtime_s",
     "process_seconds",
     "cpu_seconds",
@@ -155,6 +171,94 @@ def _lr(x: float) -> str:
     return f"{x:g}"
 
 
+BEST_LR_RULE = (
+    "best learning rate = the one with the lowest mean validation loss over seeds (final train loss where a run has "
+    "no validation set), among the learning rates at which the most seeds of that optimizer finished (a learning "
+    "rate where a seed failed or diverged cannot win on fewer seeds); a NaN or inf loss counts as worst. The same "
+    "validation runs pick the learning rate and are reported, so the best cell is slightly optimistic for every "
+    "optimizer alike"
+)
+
+
+def _loss_key(r: dict[str, Any]) -> float:
+    v = r.get("validation_loss")
+    if v is None:
+        v = r.get("final_train_loss")
+    return v if v is not None and math.isfinite(v) else math.inf
+
+
+def best_learning_rates(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each optimizer's best learning rate by :data:`BEST_LR_RULE`.
+
+    Returns ``{optimizer: {"lr": best, "by_lr": {lr: mean loss}, "seeds": n, "metric": name}}`` for every optimizer
+    with at least one finished run.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    ok = [r for r in results if r.get("status") == "ok"]
+    for o in dict.fromkeys(r["optimizer"] for r in ok):
+        runs = [r for r in ok if r["optimizer"] == o]
+        by_lr: dict[float, list[float]] = {}
+        for r in runs:
+            by_lr.setdefault(r["learning_rate"], []).append(_loss_key(r))
+        most = max(len(v) for v in by_lr.values())
+        means = {lr: (statistics.fmean(v) if all(map(math.isfinite, v)) else math.inf) for lr, v in by_lr.items()}
+        eligible = [lr for lr, v in by_lr.items() if len(v) == most]
+        lr = min(eligible, key=lambda x: (means[x], x))
+        metric = "validation loss" if all(r.get("validation_loss") is not None for r in runs) else "final train loss"
+        out[o] = {"lr": lr, "by_lr": dict(sorted(means.items())), "seeds": most, "metric": metric}
+    return out
+
+
+def _best_lr_section(results: list[dict[str, Any]], cfg: RecipeConfig, opts: list[str]) -> list[str]:
+    """Each optimizer at its own best learning rate, and paired tests against the baseline at its best."""
+    best = best_learning_rates(results)
+    if not best or all(len(b["by_lr"]) < 2 for b in best.values()):
+        return []
+    ok = [r for r in results if r.get("status") == "ok"]
+    base = cfg.compare.baseline
+    lines = [
+        "## Each optimizer at its best learning rate",
+        "",
+        f"Rule: {BEST_LR_RULE}. A single shared learning rate favours whichever optimizer's effective step suits it "
+        "(quantized states and rounding change the effective step size), so the comparison that matters is best "
+        "against best.",
+        "",
+        "| optimizer | learning rates tried (mean loss) | best lr | seeds | final train loss | val loss | "
+        f"Δ val loss vs `{base}` at its best (paired p) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base_runs = {}
+    if base in best:
+        base_runs = {r["seed"]: r for r in ok if r["optimizer"] == base and r["learning_rate"] == best[base]["lr"]}
+    for o in opts:
+        if o not in best:
+            continue
+        b = best[o]
+        runs = [r for r in ok if r["optimizer"] == o and r["learning_rate"] == b["lr"]]
+        tried = ", ".join(
+            f"{_lr(lr)} ({m:.4f})" if math.isfinite(m) else f"{_lr(lr)} (diverged)" for lr, m in b["by_lr"].items()
+        )
+        vals = [r["validation_loss"] for r in runs if r.get("validation_loss") is not None]
+        test = "-"
+        if o != base and base_runs:
+            a = _by_seed(runs, "validation_loss")
+            common = sorted(
+                set(a) & {s for s, r in base_runs.items() if r.get("validation_loss") is not None}, key=str
+            )
+            pair = paired_t_test([a[s] for s in common], [base_runs[s]["validation_loss"] for s in common])
+            if pair is None:
+                test = f"n too small ({len(common)} common seeds)"
+            else:
+                mark = " **significant**" if pair["p"] < ALPHA else ""
+                test = f"{pair['diff']:+.4f} (p = {pair['p']:.3g}{mark}, {len(common)} seeds)"
+        lines.append(
+            f"| {optimizer_label(o)} (`{o}`) | {tried} | {_lr(b['lr'])} | {b['seeds']} | "
+            f"{_fmt([r['final_train_loss'] for r in runs], 4)} | {_fmt(vals, 4)} | {test} |"
+        )
+    lines.append("")
+    return lines
+
+
 def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, Any] | None = None) -> str:
     """The markdown summary: header, table shaped like the published one, significance statements."""
     ok = [r for r in results if r.get("status") == "ok"]
@@ -176,6 +280,8 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         "",
         f"- device: {', '.join(devices) or '-'}; backend: {', '.join(backends) or '-'}; precision: "
         f"{', '.join(sorted({str(r.get('precision')) for r in ok})) or '-'}",
+        f"- fine-tuning: {', '.join(sorted({str(r.get('finetuning', 'lora')) for r in ok})) or '-'}; trainable "
+        f"parameters: {', '.join(sorted({str(r.get('trainable_params')) for r in ok})) or '-'}",
         f"- optimizer steps per run: {', '.join(map(str, steps)) or '-'}; seeds: {seeds}; data: "
         f"{', '.join(sorted({str(r.get('data_source')) for r in ok})) or '-'}",
         f"- {'; '.join(versions) or '-'}; git commit {', '.join(commits) or '-'}; date {', '.join(dates) or '-'}",
@@ -219,8 +325,16 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "libraries included), not GPU memory."
         )
     lines.append("")
-    mem_h = "peak GPU mem (GiB)" if gpu else "peak RSS (GiB, CPU)"
-    head = ["optimizer", mem_h, "optimizer state (MiB)", f"steps/s ({_lr(lrs[0])})"]
+    mem_h = "peak GPU mem allocated (GiB)" if gpu else "peak RSS (GiB, CPU)"
+    per_param = any(r.get("train_bytes_per_param") is not None for r in ok)
+    if per_param:
+        lines.insert(
+            -1,
+            "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
+            "training keeps per parameter before activations (gradients have the parameter's dtype).",
+        )
+    head = ["optimizer", mem_h] + (["peak GPU mem reserved (GiB)"] if gpu else []) + ["optimizer state (MiB)"]
+    head += (["bytes/param"] if per_param else []) + [f"steps/s ({_lr(lrs[0])})"]
     step_ms = any(r.get("optimizer_step_ms") is not None for r in results)
     if step_ms:
         head.append(f"optimizer step ms ({_lr(lrs[0])})")
@@ -230,7 +344,7 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
     for o in opts:
         mine = [r for r in results if r["optimizer"] == o]
         runs = [r for r in mine if r.get("status") == "ok"]
-        label = KNOWN_OPTIMIZERS.get(o, o)
+        label = optimizer_label(o)
         if not runs:
             why = "; ".join(sorted({f"{r.get('status')}: {r.get('reason', '')}" for r in mine})) or "not run"
             lines.append(f"| {label} (`{o}`) | {why} |" + " |" * (len(head) - 2))
@@ -239,7 +353,14 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         state = sorted({round(r["optimizer_state_mib"], 3) for r in runs})
         state_s = f"{state[0]:.3f}" if len(state) == 1 else _fmt([r["optimizer_state_mib"] for r in runs], 3)
         sps = [r["steps_per_s"] for r in runs if r["learning_rate"] == lrs[0]]
-        row = [f"{label} (`{o}`)", _fmt(mem, 3), state_s, _fmt(sps, 3)]
+        row = [f"{label} (`{o}`)", _fmt(mem, 3)]
+        if gpu:
+            row.append(_fmt([r["peak_gpu_mem_reserved_gib"] for r in runs], 3))
+        row.append(state_s)
+        if per_param:
+            bpp = sorted({round(r["train_bytes_per_param"], 3) for r in runs if r.get("train_bytes_per_param")})
+            row.append(", ".join(f"{x:.3f}" for x in bpp) or "-")
+        row.append(_fmt(sps, 3))
         if step_ms:
             at0 = [r["optimizer_step_ms"] for r in runs if r["learning_rate"] == lrs[0] and r.get("optimizer_step_ms")]
             row.append(_fmt(at0, 3) if at0 else "-")
@@ -253,7 +374,7 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         if bad:
             row[0] += f" ({len(bad)} run(s) {', '.join(sorted({r.get('status') for r in bad}))})"
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", *_significance(results, cfg, lrs, opts)]
+    lines += ["", *_best_lr_section(results, cfg, opts), *_significance(results, cfg, lrs, opts)]
     return "\n".join(lines) + "\n"
 
 
@@ -368,23 +489,34 @@ def plot_curves(results: list[dict[str, Any]], cfg: RecipeConfig, path: Path, sm
         for o in dict.fromkeys(cfg.compare.optimizers + [r["optimizer"] for r in ok])
         if any(r["optimizer"] == o for r in ok)
     ]
-    colors = {o: f"C{i}" for i, o in enumerate(opts)}
+    colors = {o: f"C{i % 10}" for i, o in enumerate(opts)}
     base = cfg.compare.baseline
+    # one panel per shared learning rate, and one with every optimizer at its own best learning rate
+    panels = [(f"lr {_lr(lr)}", {o: lr for o in opts}) for lr in lrs]
+    best = best_learning_rates(results)
+    if any(len(b["by_lr"]) > 1 for b in best.values()):
+        panels.append(("each optimizer at its best lr", {o: best[o]["lr"] for o in opts if o in best}))
     fig, axes = plt.subplots(
-        2, len(lrs), figsize=(6.5 * len(lrs), 7.5), squeeze=False, sharex="col", gridspec_kw={"height_ratios": [3, 2]}
+        2,
+        len(panels),
+        figsize=(6.5 * len(panels), 7.5),
+        squeeze=False,
+        sharex="col",
+        gridspec_kw={"height_ratios": [3, 2]},
     )
-    for col, lr in enumerate(lrs):
+    for col, (title, lr_of) in enumerate(panels):
         ax, dax = axes[0][col], axes[1][col]
-        base_runs = {r["seed"]: r for r in ok if r["optimizer"] == base and r["learning_rate"] == lr}
+        base_runs = {r["seed"]: r for r in ok if r["optimizer"] == base and r["learning_rate"] == lr_of.get(base)}
         for o in opts:
-            curves = [r for r in ok if r["optimizer"] == o and r["learning_rate"] == lr]
+            curves = [r for r in ok if r["optimizer"] == o and r["learning_rate"] == lr_of.get(o)]
             if not curves:
                 continue
             n = min(len(r["loss_curve"]) for r in curves)
             steps = [st for st, _ in curves[0]["loss_curve"][:n]]
             per_seed = [_smooth([loss for _, loss in r["loss_curve"][:n]], smooth) for r in curves]
             mean = [statistics.fmean(c[i] for c in per_seed) for i in range(n)]
-            label = f"{KNOWN_OPTIMIZERS.get(o, o)} (n={len(curves)})"
+            best_col = col >= len(lrs)
+            label = f"{optimizer_label(o)} (n={len(curves)}" + (f", lr {_lr(lr_of[o])})" if best_col else ")")
             ax.plot(steps, mean, label=label, lw=1.3, color=colors[o])
             if len(per_seed) > 1:
                 ax.fill_between(
@@ -420,15 +552,15 @@ def plot_curves(results: list[dict[str, Any]], cfg: RecipeConfig, path: Path, sm
                     [statistics.fmean(d[i] for d in diffs) for i in range(m)],
                     color=colors[o],
                     lw=1.2,
-                    label=f"{KNOWN_OPTIMIZERS.get(o, o)} (n={len(pairs)} seeds)",
+                    label=f"{optimizer_label(o)} (n={len(pairs)} seeds)",
                 )
-        ax.set_title(f"{cfg.name}: lr {_lr(lr)}")
+        ax.set_title(f"{cfg.name}: {title}")
         ax.set_ylabel(f"training loss (moving average of {smooth})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         dax.axhline(0.0, color="k", lw=0.8)
         dax.set_xlabel("optimizer step")
-        dax.set_ylabel(f"loss minus {KNOWN_OPTIMIZERS.get(base, base)}, same seed")
+        dax.set_ylabel(f"loss minus {optimizer_label(base)}, same seed")
         dax.grid(alpha=0.3)
         if dax.lines[1:]:
             dax.legend(fontsize=8)
