@@ -333,7 +333,9 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
             "training keeps per parameter before activations (gradients have the parameter's dtype).",
         )
-    head = ["optimizer", mem_h] + (["peak GPU mem reserved (GiB)"] if gpu else []) + ["optimizer state (MiB)"]
+    # runs stored before the reserved figure was recorded have no such key: the column appears only when some run has it
+    reserved = gpu and any(r.get("peak_gpu_mem_reserved_gib") is not None for r in ok)
+    head = ["optimizer", mem_h] + (["peak GPU mem reserved (GiB)"] if reserved else []) + ["optimizer state (MiB)"]
     head += (["bytes/param"] if per_param else []) + [f"steps/s ({_lr(lrs[0])})"]
     step_ms = any(r.get("optimizer_step_ms") is not None for r in results)
     if step_ms:
@@ -354,8 +356,8 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         state_s = f"{state[0]:.3f}" if len(state) == 1 else _fmt([r["optimizer_state_mib"] for r in runs], 3)
         sps = [r["steps_per_s"] for r in runs if r["learning_rate"] == lrs[0]]
         row = [f"{label} (`{o}`)", _fmt(mem, 3)]
-        if gpu:
-            row.append(_fmt([r["peak_gpu_mem_reserved_gib"] for r in runs], 3))
+        if reserved:
+            row.append(_fmt([r["peak_gpu_mem_reserved_gib"] for r in runs if r.get("peak_gpu_mem_reserved_gib")], 3))
         row.append(state_s)
         if per_param:
             bpp = sorted({round(r["train_bytes_per_param"], 3) for r in runs if r.get("train_bytes_per_param")})
