@@ -32,6 +32,7 @@ __all__ = [
     "OPTIM_ARGS",
     "parse_optim_args",
     "get_optimizer_cls_and_kwargs",
+    "check_model_for_training_args",
     "register",
     "register_optimizer_names",
     "register_optimizer_handler",
@@ -161,15 +162,43 @@ def _optimizer_class(name: str):
     return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact}[name]
 
 
-def get_optimizer_cls_and_kwargs(args) -> tuple[type, dict[str, Any]]:
+def check_model_for_training_args(args, model) -> None:
+    """Raise a clear error for a model whose trainable parameters cannot train with these arguments.
+
+    fp16 parameters with ``fp16=True``: the Trainer's GradScaler refuses fp16 gradients ("Attempting to unscale FP16
+    gradients") at the first optimizer step, after the model has been loaded and the first batches computed. ApexW can
+    update fp16 parameters, but fp16 training needs the scaler's loss scaling, so the fix is in the set-up: this error
+    says which one to choose, before training starts.
+    """
+    if model is None or not getattr(args, "fp16", False):
+        return
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    half = [p for p in params if p.dtype == torch.float16]
+    if not half:
+        return
+    raise ValueError(
+        f"optim={_name_of(args.optim)!r} with fp16=True: {len(half)} of the model's {len(params)} trainable parameter "
+        "tensors are float16, and the Trainer's fp16 GradScaler refuses fp16 gradients. Choose one: (1) on a GPU "
+        "without bf16 (e.g. a T4), load the model in float32 (dtype=torch.float32) and keep fp16=True: fp32 master "
+        "weights with fp16 autocast, and ApexW's 8-bit state keeps the optimizer at ~2 bytes per parameter; (2) on a "
+        "GPU with bf16 (Ampere or newer), load the model in bfloat16 and set bf16=True instead of fp16=True: the model "
+        "trains in bf16 with stochastic rounding and no fp32 copy; (3) train LoRA adapters (fp32) on the fp16 model."
+    )
+
+
+def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]]:
     """The ``(optimizer class, kwargs)`` pair the Trainer builds for an ApexW ``optim`` name.
 
     ``lr``, ``betas``, ``eps`` and ``weight_decay`` come from the ``TrainingArguments`` (the Trainer's param groups
     then set ``weight_decay=0`` for biases and norms, as for every optimizer); ``optim_args`` add the ApexW options.
+    With ``model`` given, a set-up that cannot train is refused first (:func:`check_model_for_training_args`).
     """
     name = _name_of(args.optim)
     if name not in APEXW_OPTIMIZERS:
         raise ValueError(f"{name!r} is not an ApexW optim name; ApexW names: {', '.join(APEXW_OPTIMIZERS)}")
+    check_model_for_training_args(args, model)
     kwargs: dict[str, Any] = {
         "lr": args.learning_rate,
         "betas": (args.adam_beta1, args.adam_beta2),
@@ -300,7 +329,7 @@ def register_optimizer_names(training_args_module=None) -> None:
 
 def _handler(ctx):
     """``_OPTIMIZER_HANDLERS`` entry (transformers >= 5.2)."""
-    return get_optimizer_cls_and_kwargs(ctx.args)
+    return get_optimizer_cls_and_kwargs(ctx.args, getattr(ctx, "model", None))
 
 
 def register_optimizer_handler(trainer_optimizer_module=None, trainer_module=None) -> None:
@@ -330,7 +359,7 @@ def register_optimizer_handler(trainer_optimizer_module=None, trainer_module=Non
 
     def get_optimizer_cls_and_kwargs_(args, model=None):
         if _is_apexw(args.optim):
-            return get_optimizer_cls_and_kwargs(args)
+            return get_optimizer_cls_and_kwargs(args, model)
         return original_fn(args, model)
 
     get_optimizer_cls_and_kwargs_._apexw_wrapped = True

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The full fine-tuning measurements on one offline H200 (docs/full_finetune.md), in the two parts one device call
+# each can hold. Run from the repository root on the GPU host, with the wheelhouse in .whl (../shared/gpu/README.md):
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh speed   $OUT   # smoke of every stack, then memory/speed
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT   # the >= 1,000-step quality grid
+# speed:   scripts/gpu_full_finetune_smoke.py (Trainer, SFTTrainer, Unsloth full fine-tuning, the fp16 error), then
+#          the 7 optimizer/dtype cells one run at a time at seq 1024 x batch 4 (peak memory, steps/s).
+# quality: configs/llama32_1b_full_h200.yaml, 4 runs sharing the GPU (peak memory is per process; steps/s there are
+#          measured under sharing and are not the speed result).
+# Each part leaves a tarball of its output directory and its log under $OUT.
+set -uo pipefail
+part=${1:?speed or quality}
+out=${2:?output folder}
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$out/gpu.txt"
+case $part in
+  speed)
+    timeout 200 python3 scripts/gpu_full_finetune_smoke.py --out runs/full_smoke 2>&1 | tail -20 | tee "$out/smoke.txt"
+    tar czf "$out/smoke.tgz" --exclude=model runs/full_smoke
+    python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml --seeds 0 --lrs 3e-4 \
+      --set 'compare.lr_sweep={}' --set data.pad_to_multiple_of=1024 --set train.per_device_train_batch_size=4 \
+      --set train.per_device_eval_batch_size=8 --set train.max_steps="${SPEED_STEPS:-150}" --set compare.jobs=2 \
+      --set compare.runs_per_device=1 --set compare.max_minutes="${SPEED_MINUTES:-5.5}" \
+      --output-dir runs/llama32_1b_full_h200_speed 2>&1 | tee "$out/speed.log" | grep -v "^{'loss'" | tail -40
+    tar czf "$out/speed.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200_speed
+    ;;
+  quality)
+    python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml "${@:3}" 2>&1 | tee "$out/quality.log" \
+      | grep -v "^{'loss'" | tail -60
+    tar czf "$out/quality.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200
+    ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
