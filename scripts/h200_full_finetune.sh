@@ -16,12 +16,12 @@ export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 P
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$out/gpu.txt"
 case $part in
   speed)
-    timeout 200 python3 scripts/gpu_full_finetune_smoke.py --out runs/full_smoke 2>&1 | tail -20 | tee "$out/smoke.txt"
+    timeout 150 python3 scripts/gpu_full_finetune_smoke.py --out runs/full_smoke 2>&1 | tail -20 | tee "$out/smoke.txt"
     tar czf "$out/smoke.tgz" --exclude=model runs/full_smoke
     python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml --seeds 0 --lrs 3e-4 \
       --set 'compare.lr_sweep={}' --set data.pad_to_multiple_of=1024 --set train.per_device_train_batch_size=4 \
-      --set train.per_device_eval_batch_size=8 --set train.max_steps="${SPEED_STEPS:-150}" --set compare.jobs=2 \
-      --set compare.runs_per_device=1 --set compare.max_minutes="${SPEED_MINUTES:-5.5}" \
+      --set train.per_device_eval_batch_size=8 --set train.max_steps="${SPEED_STEPS:-120}" --set compare.jobs=2 \
+      --set compare.runs_per_device=1 --set compare.max_minutes="${SPEED_MINUTES:-4}" \
       --output-dir runs/llama32_1b_full_h200_speed 2>&1 | tee "$out/speed.log" | grep -v "^{'loss'" | tail -40
     tar czf "$out/speed.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200_speed
     ;;
