@@ -205,7 +205,9 @@ def run_stack(stack: str, model_dir: Path, out: Path) -> list[dict]:
 
                 kw = {"model_init_kwargs": {"dtype": "bfloat16"}} if stack == "sft" else {}
                 cfg = _sft_config(out / f"{stack}_{optim}", optim, bf16=True, **kw)
-                trainer = SFTTrainer(model=str(model_dir), args=cfg, train_dataset=text_dataset(), processing_class=tok)
+                trainer = SFTTrainer(
+                    model=str(model_dir), args=cfg, train_dataset=text_dataset(), processing_class=tok
+                )
                 model = trainer.model
                 before = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
             else:
@@ -214,7 +216,9 @@ def run_stack(stack: str, model_dir: Path, out: Path) -> list[dict]:
                 dtype = torch.float16 if stack == "fp16" else torch.bfloat16
                 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
                 before = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad})
-                ds = text_dataset().map(lambda r: tok(r["text"], truncation=True, max_length=48), remove_columns=["text"])
+                ds = text_dataset().map(
+                    lambda r, tok=tok: tok(r["text"], truncation=True, max_length=48), remove_columns=["text"]
+                )
                 args = TrainingArguments(
                     output_dir=str(out / f"{stack}_{optim}"),
                     per_device_train_batch_size=4,

@@ -183,8 +183,9 @@ def check_model_for_training_args(args, model) -> None:
         "tensors are float16, and the Trainer's fp16 GradScaler refuses fp16 gradients. Choose one: (1) on a GPU "
         "without bf16 (e.g. a T4), load the model in float32 (dtype=torch.float32) and keep fp16=True: fp32 master "
         "weights with fp16 autocast, and ApexW's 8-bit state keeps the optimizer at ~2 bytes per parameter; (2) on a "
-        "GPU with bf16 (Ampere or newer), load the model in bfloat16 and set bf16=True instead of fp16=True: the model "
-        "trains in bf16 with stochastic rounding and no fp32 copy; (3) train LoRA adapters (fp32) on the fp16 model."
+        "GPU with bf16 (Ampere or newer), load the model in bfloat16 and set bf16=True instead of fp16=True: the "
+        "model trains in bf16 with stochastic rounding and no fp32 copy; (3) train LoRA adapters (fp32) on the fp16 "
+        "model."
     )
 
 

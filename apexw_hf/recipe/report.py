@@ -333,7 +333,7 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
             "training keeps per parameter before activations (gradients have the parameter's dtype).",
         )
-    # runs stored before the reserved figure was recorded have no such key: the column appears only when some run has it
+    # runs stored before the reserved figure was recorded have no such key: the column appears when some run has it
     reserved = gpu and any(r.get("peak_gpu_mem_reserved_gib") is not None for r in ok)
     head = ["optimizer", mem_h] + (["peak GPU mem reserved (GiB)"] if reserved else []) + ["optimizer state (MiB)"]
     head += (["bytes/param"] if per_param else []) + [f"steps/s ({_lr(lrs[0])})"]
@@ -389,9 +389,9 @@ def _significance(results: list[dict[str, Any]], cfg: RecipeConfig, lrs: list[fl
     out = [
         f"## Significance against `{base}` (two-sided, α = {ALPHA}, per learning rate)",
         "",
-        "Losses: paired t-test over seeds (a seed fixes the LoRA initialisation and the data order, so the same "
-        "seed under two optimizers is a matched pair), with Welch's unpaired test beside it; steps/s: Welch. "
-        "Δ = optimizer minus baseline.",
+        "Losses: paired t-test over seeds (a seed fixes the data order and, for LoRA, the adapters' initialisation; "
+        "every run of a grid starts from the same base weights; so the same seed under two optimizers is a matched "
+        "pair), with Welch's unpaired test beside it; steps/s: Welch. Δ = optimizer minus baseline.",
         "",
     ]
     ok = [r for r in results if r.get("status") == "ok"]
