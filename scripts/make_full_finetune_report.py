@@ -1,0 +1,256 @@
+"""Write the measured tables of docs/full_finetune.md and README.md's "Full fine-tuning" section from stored results.
+
+Every number comes from files under ``docs/results/`` (nothing is typed by hand):
+
+* the H200 memory/speed grid: ``docs/results/full_finetune_h200/speed_*/runs/*/result.json``;
+* the H200 quality grid: ``docs/results/full_finetune_h200/quality*/runs/*/result.json`` where a grid finished, else
+  the progress lines of its ``compare.log`` (a grid cut short by its device call keeps only those);
+* the CPU grid of ``apexw-compare offline_full``: ``docs/results/offline_full/runs/*/result.json``.
+
+Each table is written between ``<!-- name -->`` and ``<!-- /name -->`` markers in the two files.
+
+Usage::
+
+    python scripts/make_full_finetune_report.py [--check]   # --check: exit 1 if the files are not up to date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from apexw_hf.recipe.config import optimizer_label  # noqa: E402
+from apexw_hf.recipe.report import ALPHA, BEST_LR_RULE, best_learning_rates, paired_t_test  # noqa: E402
+
+RESULTS = ROOT / "docs" / "results"
+BASE_GPU, BASE_CPU = "adamw_torch_fused@fp32", "adamw_torch@fp32"
+_PROGRESS = re.compile(
+    r"\] (?P<opt>\S+?)_lr(?P<lr>[0-9.e-]+)_seed(?P<seed>\d+) \([0-9.]+ s\): loss (?P<l0>[0-9.]+) -> (?P<l1>[0-9.]+), "
+    r"val (?P<val>[0-9.]+)"
+)
+
+
+def _runs(folder: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(folder.glob("runs/*/result.json"))]
+
+
+def _latest(pattern: str) -> Path | None:
+    found = sorted(RESULTS.glob(pattern), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def _mean(xs):
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def _env_line(runs: list[dict], folder: Path) -> str:
+    env = runs[0]["environment"]
+    commits = sorted({r["environment"].get("git_commit", "?") for r in runs})
+    dates = sorted({r["environment"].get("date_utc", "?")[:10] for r in runs})
+    return (
+        f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}; commit {', '.join(commits)}; "
+        f"{', '.join(dates)}; stored in `{folder.relative_to(ROOT)}`"
+    )
+
+
+def speed_table() -> str:
+    folder = _latest("full_finetune_h200/speed_*")
+    if folder is None:
+        return "(no stored H200 memory/speed grid)\n"
+    found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"}
+    runs = {o: found[o] for o in _order(folder, found)}
+    base = runs.get(BASE_GPU)
+    lines = [
+        f"{_env_line(list(runs.values()), folder)}. Llama-3.2-1B shapes ({base['trainable_params']:,} parameters), "
+        f"every sample padded to {_grid(folder)['data']['pad_to_multiple_of']} tokens, batch "
+        f"{_grid(folder)['train']['per_device_train_batch_size']}, gradient checkpointing, "
+        f"{base['global_steps']} optimizer steps per run, one run on the GPU at a time, one seed.",
+        "",
+        "| optim | model dtype | peak allocated GiB | vs fp32 torch | peak reserved GiB | optimizer state MiB | "
+        "bytes/param (params + grads + state) | steps/s | optimizer step ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for spec, r in runs.items():
+        name, dtype = spec.split("@")
+        lines.append(
+            f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | "
+            f"{r['peak_gpu_mem_allocated_gib'] / base['peak_gpu_mem_allocated_gib']:.2f}x | "
+            f"{r['peak_gpu_mem_reserved_gib']:.2f} | {r['optimizer_state_mib']:.0f} | "
+            f"{r['train_bytes_per_param']:.2f} | {r['steps_per_s_steady']:.2f} | {r['optimizer_step_ms']:.1f} |"
+        )
+    lines += [
+        "",
+        "steps/s: steady rate of that run (its first 10% of steps left out), one 120-step run per cell: treat "
+        "differences of a few percent as noise. fp32 rows: fp32 master weights with bf16 autocast; bf16 rows: the "
+        "model itself in bf16, no fp32 copy.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _order(folder: Path, names) -> list[str]:
+    """The grid's configured optimizer order (its config.json), then any others."""
+    cfg = folder / "config.json"
+    first = json.loads(cfg.read_text())["compare"]["optimizers"] if cfg.exists() else []
+    return [o for o in first if o in names] + sorted(set(names) - set(first))
+
+
+def _grid(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())
+
+
+def _progress_rows(log: Path) -> list[dict]:
+    rows = []
+    for line in log.read_text().splitlines():
+        m = _PROGRESS.search(line)
+        if m:
+            rows.append(
+                {
+                    "status": "ok",
+                    "optimizer": m["opt"],
+                    "learning_rate": float(m["lr"]),
+                    "seed": int(m["seed"]),
+                    "final_train_loss": float(m["l1"]),
+                    "validation_loss": float(m["val"]),
+                }
+            )
+    return rows
+
+
+def quality_table(folder: Path | None, base: str, from_log_note: bool) -> str:
+    if folder is None:
+        return "(no stored grid)\n"
+    runs = [r for r in _runs(folder) if r.get("status") == "ok"]
+    source, digits = "run JSONs", 4
+    if not runs and (folder / "compare.log").exists():
+        runs, digits = _progress_rows(folder / "compare.log"), 3
+        source = "the progress lines of `compare.log` (3 decimals)"
+    if not runs:
+        return f"(no finished runs in `{folder.relative_to(ROOT)}`)\n"
+    best = best_learning_rates(runs)
+    opts = _order(folder, {r["optimizer"] for r in runs})
+    if base in opts:
+        opts.remove(base)
+        opts.insert(0, base)
+    lrs = sorted({r["learning_rate"] for r in runs})
+    seeds = sorted({r["seed"] for r in runs})
+    head = (
+        "| optimizer | "
+        + " | ".join(f"val loss, lr {lr:g}" for lr in lrs)
+        + " | best lr | val loss at best | Δ vs "
+        + f"`{base}` at its best (paired p) |"
+    )
+    lines = [
+        f"From {source} in `{folder.relative_to(ROOT)}`; seeds {seeds}; mean ± sample std over seeds.",
+        "",
+        head,
+        "|---|" + "---:|" * (len(lrs) + 3),
+    ]
+    base_best = {r["seed"]: r for r in runs if r["optimizer"] == base and r["learning_rate"] == best[base]["lr"]}
+    for o in opts:
+        cells = []
+        for lr in lrs:
+            v = [r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == lr]
+            cells.append(_ms(v, digits))
+        b = best[o]
+        at = {r["seed"]: r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == b["lr"]}
+        test = "-"
+        if o != base:
+            common = sorted(set(at) & set(base_best))
+            pair = paired_t_test([at[s] for s in common], [base_best[s]["validation_loss"] for s in common])
+            if pair is None:
+                test = f"n too small ({len(common)} seed{'s' if len(common) != 1 else ''})"
+            else:
+                mark = " **significant**" if pair["p"] < ALPHA else ""
+                test = f"{pair['diff']:+.4f} (p = {pair['p']:.2g}{mark}, {len(common)} seeds)"
+        lines.append(
+            f"| {optimizer_label(o)} | " + " | ".join(cells) + f" | {b['lr']:g} | {_ms(list(at.values()), digits)} | {test} |"
+        )
+    if from_log_note:
+        lines += ["", f"Best lr rule: {BEST_LR_RULE}."]
+    return "\n".join(lines) + "\n"
+
+
+def _ms(v: list[float], digits: int = 4) -> str:
+    if not v:
+        return "-"
+    if len(v) == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{statistics.fmean(v):.{digits}f} ± {statistics.stdev(v):.{digits}f}"
+
+
+def readme_table() -> str:
+    """The short README table: H200 memory per optim/dtype and the CPU grid's validation loss at each best lr."""
+    folder = _latest("full_finetune_h200/speed_*")
+    cpu = RESULTS / "offline_full"
+    lines = [
+        "| optim | model dtype | H200 peak GiB (Llama-3.2-1B shapes) | bytes/param before activations | "
+        "CPU grid val loss at best lr (3 seeds) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"} if folder else {}
+    gpu = {o: found[o] for o in _order(folder, found)} if folder else {}
+    cpu_runs = [r for r in _runs(cpu) if r.get("status") == "ok"] if cpu.exists() else []
+    best = best_learning_rates(cpu_runs) if cpu_runs else {}
+    for spec, r in gpu.items():
+        cpu_spec = spec.replace("adamw_torch_fused", "adamw_torch")
+        val = "-"
+        if cpu_spec in best:
+            at = [
+                x["validation_loss"]
+                for x in cpu_runs
+                if x["optimizer"] == cpu_spec and x["learning_rate"] == best[cpu_spec]["lr"]
+            ]
+            val = _ms(at)
+        name, dtype = spec.split("@")
+        lines.append(
+            f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | {r['train_bytes_per_param']:.2f} | {val} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    if start not in text or end not in text:
+        raise SystemExit(f"marker {start} ... {end} missing")
+    a, b = text.index(start) + len(start), text.index(end)
+    return text[:a] + "\n" + body + text[b:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    quality_gpu = _latest("full_finetune_h200/quality*")
+    sections = {
+        ROOT / "docs" / "full_finetune.md": {
+            "ff-h200-speed": speed_table(),
+            "ff-h200-quality": quality_table(quality_gpu, BASE_GPU, False),
+            "ff-cpu-quality": quality_table(RESULTS / "offline_full", BASE_CPU, True),
+        },
+        ROOT / "README.md": {"ff-readme": readme_table()},
+    }
+    stale = []
+    for path, parts in sections.items():
+        text = path.read_text()
+        new = text
+        for name, body in parts.items():
+            new = _replace(new, name, body)
+        if new != text:
+            stale.append(path)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print("out of date: " + ", ".join(str(p.relative_to(ROOT)) for p in stale))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
