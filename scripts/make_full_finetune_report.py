@@ -170,7 +170,9 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool) -> str:
                 mark = " **significant**" if pair["p"] < ALPHA else ""
                 test = f"{pair['diff']:+.4f} (p = {pair['p']:.2g}{mark}, {len(common)} seeds)"
         lines.append(
-            f"| {optimizer_label(o)} | " + " | ".join(cells) + f" | {b['lr']:g} | {_ms(list(at.values()), digits)} | {test} |"
+            f"| {optimizer_label(o)} | "
+            + " | ".join(cells)
+            + f" | {b['lr']:g} | {_ms(list(at.values()), digits)} | {test} |"
         )
     if from_log_note:
         lines += ["", f"Best lr rule: {BEST_LR_RULE}."]
@@ -210,7 +212,8 @@ def readme_table() -> str:
             val = _ms(at)
         name, dtype = spec.split("@")
         lines.append(
-            f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | {r['train_bytes_per_param']:.2f} | {val} |"
+            f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | {r['train_bytes_per_param']:.2f} | "
+            f"{val} |"
         )
     return "\n".join(lines) + "\n"
 
