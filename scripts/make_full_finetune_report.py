@@ -42,7 +42,14 @@ def _runs(folder: Path) -> list[dict]:
 
 
 def _latest(pattern: str) -> Path | None:
-    found = sorted(RESULTS.glob(pattern), key=lambda p: p.stat().st_mtime)
+    """The newest stored grid matching ``pattern``: by the date its runs recorded (a checkout's file times say
+    nothing), then by name; a grid with no run JSON (a log only) counts as oldest."""
+
+    def key(p: Path):
+        dates = [r.get("environment", {}).get("date_utc", "") for r in _runs(p)]
+        return (max(dates, default=""), p.name)
+
+    found = sorted(RESULTS.glob(pattern), key=key)
     return found[-1] if found else None
 
 
