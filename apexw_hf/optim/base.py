@@ -22,6 +22,10 @@ ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
 _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+# What torch.optim.AdamW(params) puts under those keys; to_torch_adamw_state_dict writes them.
+_TORCH_ADAMW_FLAGS = dict(
+    amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
+)
 
 
 def _as_float(name: str, value) -> float:
@@ -177,6 +181,87 @@ class ApexW(torch.optim.Optimizer):
         if not state:
             state.update(st.init_state(p, group["state_format"]))
         return state
+
+    def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter ``p``'s optimizer state decoded to fp32, for any ``state_format``.
+
+        Args:
+            p: a parameter of this optimizer's param groups.
+
+        Returns:
+            ``{"step", "exp_avg", "exp_avg_sq"}``: ``step`` a 0-dim fp32 CPU tensor (as in ``torch.optim.AdamW``), the
+            moments fp32 tensors shaped like ``p`` on ``p``'s device, decoded with :mod:`apexw_hf.reference` (bf16
+            widened exactly; 8-bit codes times their block scales). They are copies: later steps do not change them.
+            For an FSDP2 (``DTensor``) parameter the moments are this rank's local shard, plain tensors shaped like
+            ``p.to_local()``. A parameter not stepped yet gives zeros and step 0, the state its first step starts from.
+
+        Raises:
+            TypeError: ``p`` is not a tensor. ValueError: ``p`` is not a parameter of this optimizer.
+
+        Example:
+            >>> import torch
+            >>> from apexw_hf import ApexW8bit
+            >>> p = torch.nn.Parameter(torch.ones(300))
+            >>> opt = ApexW8bit([p])
+            >>> p.grad = torch.ones(300); opt.step()
+            >>> opt.dequantized_state(p)["exp_avg"].dtype
+            torch.float32
+        """
+        self._check_own_param(p, "dequantized_state")
+        return st.dequantized(self.state.get(p, {}), p)
+
+    def to_torch_adamw_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as a ``torch.optim.AdamW`` state dict, to leave ApexW mid-training.
+
+        ``torch.optim.AdamW(params, ...).load_state_dict(opt.to_torch_adamw_state_dict())`` over the same parameters,
+        in the same groups, continues the run with torch's optimizer. The moments are fp32 (:meth:`dequantized_state`;
+        torch casts them to the parameter dtype on load, as for its own checkpoints); the param groups carry torch
+        AdamW's keys (lr, betas, eps, weight_decay, maximize, and amsgrad=False, foreach=None, capturable=False,
+        differentiable=False, fused=None, decoupled_weight_decay=True: the defaults of a torch AdamW for these
+        parameters) and not ApexW's own (state_format, engine, param_rounding, seed). Parameters that were never
+        stepped have no entry, as in torch. The way back needs nothing special: :meth:`load_state_dict` converts a
+        torch AdamW state dict into each group's format. FSDP2 (``DTensor``) parameters get ``DTensor`` moments with
+        the parameter's placements.
+
+        Returns:
+            ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}``, indices numbered as
+            ``state_dict()`` numbers them; new tensors, independent of this optimizer.
+
+        Example:
+            >>> import torch
+            >>> from apexw_hf import ApexW8bit
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = ApexW8bit(model.parameters(), lr=1e-3)
+            >>> model(torch.randn(3, 4)).sum().backward(); opt.step()
+            >>> torch_opt = torch.optim.AdamW(model.parameters())
+            >>> torch_opt.load_state_dict(opt.to_torch_adamw_state_dict())
+            >>> torch_opt.param_groups[0]["lr"]
+            0.001
+        """
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            ids = list(range(index, index + len(group["params"])))
+            index += len(ids)
+            out = {key: copy.deepcopy(group[key]) for key in ("lr", "betas", "eps", "weight_decay", "maximize")}
+            out.update(_TORCH_ADAMW_FLAGS)
+            out["params"] = ids
+            if "param_names" in group:
+                out["param_names"] = list(group["param_names"])
+            groups.append(out)
+            for i, p in zip(ids, group["params"]):
+                if self.state.get(p):
+                    entry = st.dequantized(self.state[p], p)
+                    state[i] = dt.wrap_state(entry, p) if dt.is_dtensor(p) else entry
+        return {"state": state, "param_groups": groups}
+
+    def _check_own_param(self, p, caller: str) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{caller} takes a parameter tensor, got {type(p).__name__}")
+        if not any(q is p for group in self.param_groups for q in group["params"]):
+            raise ValueError(
+                f"{caller}: the {type(p).__name__} of shape {tuple(p.shape)} and dtype {p.dtype} is not a parameter "
+                "of this optimizer's param groups; pass one of the tensors given to the optimizer"
+            )
 
     # ---- step ----------------------------------------------------------------------------------------------
 
