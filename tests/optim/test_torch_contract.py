@@ -224,7 +224,7 @@ def test_lr_set_by_a_scheduler_is_the_lr_used(info, index):
 
 
 @pytest.mark.parametrize("num_dim", [0, 1, 2])
-@pytest.mark.parametrize("info, index", CASES)
+@pytest.mark.parametrize("info, index", LR_CASES)
 def test_tensor_lr_matches_float_lr(info, index, num_dim):
     """A 1-element lr tensor of any shape steps like the float it holds (torch: within fp32 tolerance; ApexW reads
     the lr once on the host, so there the bits are equal)."""
@@ -521,6 +521,21 @@ def test_load_state_dict_with_param_groups(info, index):
     assert torch.equal(weight.detach(), weight_c.detach()) and torch.equal(bias.detach(), bias_c.detach())
     with pytest.raises(ValueError):
         info.optim_cls([weight_c, bias_c], **kwargs).load_state_dict(opt.state_dict())  # one group, not two
+
+
+@pytest.mark.parametrize("info, index", LR_CASES)
+def test_named_parameters(info, index):
+    """Parameters given as (name, tensor) pairs: the names travel in the state dict, and a resume keeps them."""
+    opt, weight, bias, x = _primed(info, index, steps=0)
+    named = info.optim_cls([("weight", weight), ("bias", bias)], **_kwargs(info, index))
+    named.step(_closure(named, weight, bias, x))
+    sd = named.state_dict()
+    assert sd["param_groups"][0]["param_names"] == ["weight", "bias"]
+    twin = info.optim_cls(list(zip(["weight", "bias"], _clone_params(weight, bias))), **_kwargs(info, index))
+    twin.load_state_dict(_roundtrip(sd))
+    assert_same(twin.state_dict(), sd)
+    if info is not CONTROL:  # and they reach the torch AdamW export
+        assert named.to_torch_adamw_state_dict()["param_groups"][0]["param_names"] == ["weight", "bias"]
 
 
 # ---- hooks ---------------------------------------------------------------------------------------------------
