@@ -8,7 +8,7 @@ file; ``scripts/make_step_report.py`` turns stored results into docs/step_benchm
 
 Usage (on the GPU host)::
 
-    python scripts/bench_step.py --out docs/results/step_h200.json
+    python scripts/bench_step.py --out docs/results/step_benchmark/step_h200.json
     python scripts/bench_step.py --tune          # kernel tile variants on the large workloads, no baselines
 """
 

@@ -52,13 +52,14 @@ _TL_DTYPES = {
     torch.float16: triton.language.float16,
 }
 
-# (rows of 256 elements per program, warps) by state format and parameter element size in bytes, from H200
-# timings on 4 x 8192^2 (scripts/bench_step.py --tune: docs/results/tune_h200_2026-11-30.json; scripts/issue_probe.py:
-# docs/results/probe_h200x2_2026-11-30.json). Every winner has 8 elements per thread. One warp per 256-element block
-# (a block's absmax is then a warp reduction without shared memory) is fastest, or within 1%, for fp32 parameters and
-# for 8-bit state. Compact state with 16-bit parameters moves the fewest bytes per element and runs 2% faster with
-# four warps per program (1.009 ms against 1.029 ms for 1 x 1 in the probe, 0.999 against 1.019 in the tune):
-# at most 32 programs are resident per SM, so one-warp programs cap an SM at 32 warps in flight.
+# (rows of 256 elements per program, warps) by state format and parameter element size in bytes, from H200 timings
+# on 4 x 8192^2 (scripts/bench_step.py --tune: docs/results/step_benchmark/tune_h200_2026-11-30.json;
+# scripts/probes/issue_probe.py: docs/results/probes/probe_h200x2_2026-11-30.json). Every winner has 8 elements per
+# thread. One warp per 256-element block (a block's absmax is then a warp reduction without shared memory) is fastest,
+# or within 1%, for fp32 parameters and for 8-bit state. Compact state with 16-bit parameters moves the fewest bytes
+# per element and runs 2% faster with four warps per program (1.009 ms against 1.029 ms for 1 x 1 in the probe, 0.999
+# against 1.019 in the tune): at most 32 programs are resident per SM, so one-warp programs cap an SM at 32 warps in
+# flight.
 LAUNCH_CONFIG = {
     "fp32": {4: (1, 1), 2: (1, 1)},
     "compact": {4: (1, 1), 2: (4, 4)},

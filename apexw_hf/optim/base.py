@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable
 from itertools import repeat
 from typing import Any
@@ -20,14 +22,17 @@ ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
 _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
+# What torch.optim.AdamW(params) puts under those keys; to_torch_adamw_state_dict writes them.
+_TORCH_ADAMW_FLAGS = dict(
+    amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
+)
 
 
 def _as_float(name: str, value) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(
-                f"{name} must be a number or a one-element tensor, got a tensor of shape {tuple(value.shape)}"
-            )
+            # torch.optim.AdamW's wording, so code written against torch's errors matches ours too
+            raise ValueError(f"Tensor {name} must be 1-element, got a tensor of shape {tuple(value.shape)}")
         return float(value.item())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
@@ -44,7 +49,7 @@ class ApexW(torch.optim.Optimizer):
 
     Args:
         params: parameters or param groups (dicts). A group may override any keyword below except ``seed``.
-        lr: learning rate, a float or a one-element tensor (read once per step).
+        lr: learning rate, a float or a 1-element tensor (read once per step, so a scheduler may change it in place).
         betas: coefficients of the running averages, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: decoupled weight decay, >= 0.
@@ -66,8 +71,8 @@ class ApexW(torch.optim.Optimizer):
         >>> opt = ApexW(model.parameters(), lr=1e-3, state_format="8bit")
         >>> model(torch.randn(3, 4)).sum().backward()
         >>> opt.step(); opt.zero_grad()
-        >>> opt.state_bytes()
-        28
+        >>> opt.state_bytes()  # 10 one-byte codes per moment, 2 bf16 scales per moment, 2 fp32 steps
+        36
     """
 
     def __init__(
@@ -143,7 +148,12 @@ class ApexW(torch.optim.Optimizer):
         self._check_hparams(group)
         devices = set()
         for p in group["params"]:
-            if p.is_complex() or not p.is_floating_point():
+            if p.is_complex():
+                raise TypeError(
+                    f"ApexW supports real floating-point parameters only, got a {p.dtype} parameter; optimize "
+                    "torch.view_as_real(p) instead (AdamW on the real view is torch.optim.AdamW's complex update)"
+                )
+            if not p.is_floating_point():
                 raise TypeError(f"ApexW supports real floating-point parameters only, got a {p.dtype} parameter")
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"unsupported parameter dtype {p.dtype}; allowed: float32, bfloat16, float16")
@@ -171,6 +181,87 @@ class ApexW(torch.optim.Optimizer):
         if not state:
             state.update(st.init_state(p, group["state_format"]))
         return state
+
+    def dequantized_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Parameter ``p``'s optimizer state decoded to fp32, for any ``state_format``.
+
+        Args:
+            p: a parameter of this optimizer's param groups.
+
+        Returns:
+            ``{"step", "exp_avg", "exp_avg_sq"}``: ``step`` a 0-dim fp32 CPU tensor (as in ``torch.optim.AdamW``), the
+            moments fp32 tensors shaped like ``p`` on ``p``'s device, decoded with :mod:`apexw_hf.reference` (bf16
+            widened exactly; 8-bit codes times their block scales). They are copies: later steps do not change them.
+            For an FSDP2 (``DTensor``) parameter the moments are this rank's local shard, plain tensors shaped like
+            ``p.to_local()``. A parameter not stepped yet gives zeros and step 0, the state its first step starts from.
+
+        Raises:
+            TypeError: ``p`` is not a tensor. ValueError: ``p`` is not a parameter of this optimizer.
+
+        Example:
+            >>> import torch
+            >>> from apexw_hf import ApexW8bit
+            >>> p = torch.nn.Parameter(torch.ones(300))
+            >>> opt = ApexW8bit([p])
+            >>> p.grad = torch.ones(300); opt.step()
+            >>> opt.dequantized_state(p)["exp_avg"].dtype
+            torch.float32
+        """
+        self._check_own_param(p, "dequantized_state")
+        return st.dequantized(self.state.get(p, {}), p)
+
+    def to_torch_adamw_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as a ``torch.optim.AdamW`` state dict, to leave ApexW mid-training.
+
+        ``torch.optim.AdamW(params, ...).load_state_dict(opt.to_torch_adamw_state_dict())`` over the same parameters,
+        in the same groups, continues the run with torch's optimizer. The moments are fp32 (:meth:`dequantized_state`;
+        torch casts them to the parameter dtype on load, as for its own checkpoints); the param groups carry torch
+        AdamW's keys (lr, betas, eps, weight_decay, maximize, and amsgrad=False, foreach=None, capturable=False,
+        differentiable=False, fused=None, decoupled_weight_decay=True: the defaults of a torch AdamW for these
+        parameters) and not ApexW's own (state_format, engine, param_rounding, seed). Parameters that were never
+        stepped have no entry, as in torch. The way back needs nothing special: :meth:`load_state_dict` converts a
+        torch AdamW state dict into each group's format. FSDP2 (``DTensor``) parameters get ``DTensor`` moments with
+        the parameter's placements.
+
+        Returns:
+            ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [...]}``, indices numbered as
+            ``state_dict()`` numbers them; new tensors, independent of this optimizer.
+
+        Example:
+            >>> import torch
+            >>> from apexw_hf import ApexW8bit
+            >>> model = torch.nn.Linear(4, 2)
+            >>> opt = ApexW8bit(model.parameters(), lr=1e-3)
+            >>> model(torch.randn(3, 4)).sum().backward(); opt.step()
+            >>> torch_opt = torch.optim.AdamW(model.parameters())
+            >>> torch_opt.load_state_dict(opt.to_torch_adamw_state_dict())
+            >>> torch_opt.param_groups[0]["lr"]
+            0.001
+        """
+        state, groups, index = {}, [], 0
+        for group in self.param_groups:
+            ids = list(range(index, index + len(group["params"])))
+            index += len(ids)
+            out = {key: copy.deepcopy(group[key]) for key in ("lr", "betas", "eps", "weight_decay", "maximize")}
+            out.update(_TORCH_ADAMW_FLAGS)
+            out["params"] = ids
+            if "param_names" in group:
+                out["param_names"] = list(group["param_names"])
+            groups.append(out)
+            for i, p in zip(ids, group["params"]):
+                if self.state.get(p):
+                    entry = st.dequantized(self.state[p], p)
+                    state[i] = dt.wrap_state(entry, p) if dt.is_dtensor(p) else entry
+        return {"state": state, "param_groups": groups}
+
+    def _check_own_param(self, p, caller: str) -> None:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{caller} takes a parameter tensor, got {type(p).__name__}")
+        if not any(q is p for group in self.param_groups for q in group["params"]):
+            raise ValueError(
+                f"{caller}: the {type(p).__name__} of shape {tuple(p.shape)} and dtype {p.dtype} is not a parameter "
+                "of this optimizer's param groups; pass one of the tensors given to the optimizer"
+            )
 
     # ---- step ----------------------------------------------------------------------------------------------
 
@@ -258,6 +349,17 @@ class ApexW(torch.optim.Optimizer):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        # torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups: a deepcopy or an unpickled
+        # copy starts without the caches, which rebuild from the param groups (the positions are the same).
+        self.__dict__.setdefault("_param_index", {})
+        self.__dict__.setdefault("_engine", None)
+        # torch.optim.Optimizer.__setstate__ (run by load_state_dict, deepcopy and unpickling) adds
+        # differentiable=False to the defaults for optimizers pickled before that flag existed. ApexW has no
+        # differentiable mode; kept, the key would reach every param group added later and every resumed state dict.
+        self.defaults.pop("differentiable", None)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of ApexW (any format) or of ``torch.optim.AdamW``, keeping every dtype.
 
@@ -265,40 +367,62 @@ class ApexW(torch.optim.Optimizer):
         moments and 8-bit scales into fp32 (or fp32 moments of bf16 parameters into bf16). Here each tensor keeps its
         saved dtype and moves to its parameter's device; moments stored in another format than the group's
         ``state_format`` (a torch AdamW checkpoint, or a changed format) are converted.
+
+        The rest is ``torch.optim.Optimizer``'s contract: load-state-dict pre-hooks run first on a shallow copy (and
+        may return a replacement), group hyperparameters come from the state dict, state keys that are not parameter
+        ids are kept as they are, and post-hooks run once the state is in place. Everything is checked and converted
+        before anything changes, so a bad state dict leaves this optimizer as it was.
+
+        Args:
+            state_dict: from :meth:`state_dict` of an ApexW or a ``torch.optim.AdamW`` over the same parameters.
+
+        Raises:
+            ValueError: the param groups differ in number or size, ``amsgrad`` state, moments of the wrong shape or
+                layout, or a hyperparameter that ApexW rejects.
         """
-        groups = state_dict["param_groups"]
-        saved_counts = [len(g["params"]) for g in groups]
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups = state_dict["param_groups"]
+        saved_counts = [len(g["params"]) for g in saved_groups]
         our_counts = [len(g["params"]) for g in self.param_groups]
         if saved_counts != our_counts:
             raise ValueError(
                 f"the state dict has param groups of sizes {saved_counts} but this optimizer has {our_counts}; "
                 "it was saved from a different model or parameter grouping"
             )
-        for g in groups:
+        for g in saved_groups:
             if g.get("amsgrad"):
                 raise ValueError("cannot load a state dict with amsgrad=True: ApexW has no max_exp_avg_sq")
-        # Convert everything before changing anything, so a bad state dict leaves this optimizer as it was.
-        converted = {}
-        for saved, ours in zip(groups, self.param_groups):
-            fmt = saved.get("state_format", self.defaults["state_format"])
-            seed = saved.get("seed", self.defaults["seed"])
-            for pid, p in zip(saved["params"], ours["params"]):
-                if pid in state_dict["state"]:
-                    entry = st.convert_state(
-                        state_dict["state"][pid], p, fmt, seed=seed, tensor_index=self._tensor_index(p)
-                    )
-                    if entry:
-                        converted[p] = entry
-        super().load_state_dict({"state": {}, "param_groups": groups})
-        for group in self.param_groups:
-            for key in _TORCH_ONLY_KEYS:
-                group.pop(key, None)
+        groups = []
+        for saved, ours in zip(saved_groups, self.param_groups):
+            group = copy.deepcopy({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_KEYS})
+            group["params"] = ours["params"]
+            if "param_names" in ours and "param_names" not in group:
+                group["param_names"] = ours["param_names"]
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._check_hparams(group)
-        self.state.update(converted)
+            groups.append(group)
+        owner = {pid: (p, g) for saved, g in zip(saved_groups, groups) for pid, p in zip(saved["params"], g["params"])}
+        state = defaultdict(dict)
+        for key, entry in state_dict["state"].items():
+            if isinstance(key, torch.Tensor) or key not in owner:
+                state[key] = entry  # torch keeps state that belongs to no parameter as it is
+                continue
+            p, group = owner[key]
+            converted = st.convert_state(
+                entry, p, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
+            )
+            if converted:
+                state[p] = converted
+        self.__setstate__({"state": state, "param_groups": groups})
         if self._engine is not None:
             self._engine.invalidate()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 _TRITON_OK: bool | None = None

@@ -158,6 +158,29 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
     return out
 
 
+def dequantized(state: dict, p: torch.Tensor) -> dict:
+    """fp32 ``step``, ``exp_avg`` and ``exp_avg_sq`` of one parameter's state entry, whatever its format.
+
+    New tensors, never views of the live state. A ``DTensor`` parameter gives its local shard's moments (plain
+    tensors shaped like ``p.to_local()``). An empty entry (a parameter not stepped yet) gives the zeros and step 0
+    that the first step starts from.
+    """
+    local_p = dt.local(p)
+    src = state_format_of(state)
+    if src is None:
+        zeros = torch.zeros(local_p.shape, dtype=torch.float32, device=local_p.device)
+        return {"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+    local_state = dt.local_view(state, p) if dt.is_dtensor(p) else state
+    m, v = ref.load_moments(local_state, src, local_p.shape)
+    if src == "fp32":  # load_moments returns the stored tensors themselves
+        m, v = m.clone(), v.clone()
+    step = state["step"]
+    step = (
+        step.detach().to("cpu", torch.float32).clone() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+    )
+    return {"step": step, "exp_avg": m, "exp_avg_sq": v}
+
+
 def state_tensor_bytes(state: dict) -> int:
     """Bytes of every tensor in a parameter's state entry (on this rank, for sharded state)."""
     return sum(dt.local(v).numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))

@@ -51,10 +51,10 @@ def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
     has whole seeds of every optimizer). Within a seed the
     optimizers go in the configured order for the 1st, 3rd, ... seed and in reverse for the others: on a GPU the runs
     go one at a time, and the run in first position was 6-7% slower in steps/s than the one after it in the H200 grids
-    (docs/results/h200_llama32_3b_alone), so alternating gives every optimizer the same average position. With
-    ``compare.devices``, seed ``i`` runs on device ``i % len(devices)`` (each cell's ``"device"``), and with several
-    the devices' runs are interleaved, so the first ``jobs`` runs started reach every device instead of queueing on
-    the first one.
+    (docs/results/recipe_lora/h200_llama32_3b_alone), so alternating gives every optimizer the same average position.
+    With ``compare.devices``, seed ``i`` runs on device ``i % len(devices)`` (each cell's ``"device"``), and with
+    several the devices' runs are interleaved, so the first ``jobs`` runs started reach every device instead of
+    queueing on the first one.
     """
     devices = cfg.compare.devices
     per_seed = []

@@ -14,7 +14,11 @@ def P(*shape, **kw):
     "kwargs, exc, match",
     [
         (dict(lr=-1e-3), ValueError, "learning rate -0.001: must be >= 0"),
-        (dict(lr=torch.tensor([1e-3, 2e-3])), ValueError, "lr must be a number or a one-element tensor"),
+        (
+            dict(lr=torch.tensor([1e-3, 2e-3])),
+            ValueError,
+            r"^Tensor lr must be 1-element, got a tensor of shape \(2,\)",
+        ),
         (dict(lr="0.1"), TypeError, "lr must be a number, got str"),
         (dict(eps=-1e-8), ValueError, "invalid eps"),
         (dict(weight_decay=-0.1), ValueError, "invalid weight_decay"),

@@ -6,7 +6,7 @@ of a specialization and calls the compiled kernel directly afterwards; this meas
 plan (same arguments, no synchronization inside the timed loop), and ``ApexW.step``'s whole host time, on the LoRA
 Llama-3.2-3B set (392 fp32 tensors) of scripts/bench_step.py.
 
-    python scripts/launch_overhead.py [--calls 200] [--out results.json]
+    python scripts/probes/launch_overhead.py [--calls 200] [--out results.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 

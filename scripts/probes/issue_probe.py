@@ -1,13 +1,13 @@
 """What limits the AdamW kernel on large tensors: time probe variants and tiles against torch fused, on a GPU.
 
 The compact kernel with bf16 parameters and the 8-bit kernel sit between two limits, instruction issue and memory
-bandwidth (docs/results/step_h200_2026-11-30.notes.md). This times, on 4 x 8192^2 tensors in one process:
-torch fused AdamW; ApexW with the shipped kernel; probe variants of it (``scripts/kernel_variants.py``, e.g. the
-approximate square root and division, which drop the IEEE contract: timing only); the bf16 parameters rounded to
-nearest instead of stochastically; and other tiles (rows x warps) of the shipped kernel. If a variant with fewer
+bandwidth (docs/results/step_benchmark/step_h200_2026-11-30.notes.md). This times, on 4 x 8192^2 tensors in one
+process: torch fused AdamW; ApexW with the shipped kernel; probe variants of it (``scripts/probes/kernel_variants.py``,
+e.g. the approximate square root and division, which drop the IEEE contract: timing only); the bf16 parameters rounded
+to nearest instead of stochastically; and other tiles (rows x warps) of the shipped kernel. If a variant with fewer
 instructions is no faster, the kernel is bound by memory, not issue, and cutting instructions cannot help.
 
-    python scripts/issue_probe.py [--out probe.json] [--steps 40]
+    python scripts/probes/issue_probe.py [--out probe.json] [--steps 40]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 

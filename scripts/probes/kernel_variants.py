@@ -2,8 +2,8 @@
 
 Each variant is the shipped kernel source (``apexw_hf/kernels/adamw.py``) with a few expressions replaced and its
 relative imports made absolute, written to ``<tmp>/apexw_kernel_variants/_variant_<name>.py`` (Triton reads a kernel's
-source from its file) and imported from there. ``scripts/sass_count.py --variant`` counts its instructions on the CPU;
-``scripts/issue_probe.py`` times it on a GPU through the normal launch plan.
+source from its file) and imported from there. ``scripts/probes/sass_count.py --variant`` counts its instructions on
+the CPU; ``scripts/probes/issue_probe.py`` times it on a GPU through the normal launch plan.
 
 Variants:
     shipped      the kernel as it is.
@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "apexw_hf" / "kernels"
 
 VARIANTS: dict[str, list[tuple[str, str]]] = {

@@ -6,12 +6,13 @@ standard deviation (and mean) of the decoded v around its exact value, per decad
 are unsigned minifloats eEmM on the block-normalized value (scale = block absmax rounded up to bf16, as shipped),
 with the same value-unbiased stochastic choice between neighbouring codes and nonzero v never coded 0.
 
-    python scripts/state_noise_study.py [--steps 3000]
-    python scripts/state_noise_study.py --sass     # instruction cost of the codecs on sm_90, compiled on the CPU
-    python scripts/state_noise_study.py --train    # small trainings (tests/optim/test_convergence.py's), 5 seeds
+    python scripts/probes/state_noise_study.py [--steps 3000]
+    python scripts/probes/state_noise_study.py --sass   # instruction cost of the codecs on sm_90, compiled on the CPU
+    python scripts/probes/state_noise_study.py --train  # small trainings (tests/optim/test_convergence.py's), 5 seeds
 
-This is a CPU study for the 8-bit format's design (docs/results/step_h200_2026-11-30.notes.md): minifloat codes are
-cheaper to encode in the kernel than the 4th-root code, and this measures what they would cost in precision.
+This is a CPU study for the 8-bit format's design (docs/results/step_benchmark/step_h200_2026-11-30.notes.md):
+minifloat codes are cheaper to encode in the kernel than the 4th-root code, and this measures what they would cost in
+precision.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from apexw_hf import reference as ref  # noqa: E402
 
@@ -181,7 +182,7 @@ def train_study(seeds=range(5)) -> None:
     and the shipped state with an e4m4 v code swapped into the reference (the plain-PyTorch path)."""
     import statistics
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "optim"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "optim"))
     from test_convergence import _teacher_student, _tiny_llama
 
     from apexw_hf import ApexW

@@ -4,7 +4,7 @@ The 8-bit and compact kernels are bound by instruction issue on large tensors (d
 instruction count per element is the number to drive down; this prints it, with the opcode histogram and the
 memory instructions (vector widths), from the cubin Triton builds for the target.
 
-    python scripts/sass_count.py 8bit fp32 --rows 1 --warps 1 [--cc 90] [--sass out.sass]
+    python scripts/probes/sass_count.py 8bit fp32 --rows 1 --warps 1 [--cc 90] [--sass out.sass]
 
 The static count covers the whole kernel, slow paths of the IEEE division and square root included; the main
 path is printed separately (everything before the first subroutine).
@@ -21,10 +21,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "kernels"))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "probes"))
 
 import kernel_variants  # noqa: E402
 import triton  # noqa: E402
