@@ -41,15 +41,14 @@ def _interpreter() -> tuple[str, list[str]]:
     return python or sys.executable, [site] if site else []
 
 
-@pytest.mark.parametrize("order", ["apexw_first", "unsloth_first"])
-def test_unsloth_cpu_mode_keeps_apexw_names(tmp_path, order):
+def _run_check(tmp_path, *args):
     python, extra_path = _interpreter()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([*extra_path, str(ROOT), env.get("PYTHONPATH", "")])
     env["CUDA_VISIBLE_DEVICES"] = ""  # Unsloth's CPU mode even on a GPU machine
     env.pop("TRITON_INTERPRET", None)  # Unsloth's CPU mode replaces TRL's Triton loss with its own
     proc = subprocess.run(
-        [python, str(SCRIPT), str(tmp_path), order],
+        [python, str(SCRIPT), str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=600,
@@ -58,7 +57,12 @@ def test_unsloth_cpu_mode_keeps_apexw_names(tmp_path, order):
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    return json.loads(lines[-1][len("RESULT ") :]), proc
+
+
+@pytest.mark.parametrize("order", ["apexw_first", "unsloth_first"])
+def test_unsloth_cpu_mode_keeps_apexw_names(tmp_path, order):
+    result, proc = _run_check(tmp_path, order)
 
     assert result["control"] == "adamw_torch_fused", "Unsloth's CPU mode is not active: the check would prove nothing"
     assert all(k.split(":")[1] == v for k, v in result["names"].items()), result["names"]
@@ -69,3 +73,13 @@ def test_unsloth_cpu_mode_keeps_apexw_names(tmp_path, order):
     assert {"torch.int8", "torch.uint8"} <= set(result["state_dtypes"])
     assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]
     assert "'apexw_8bit' needs a GPU" not in proc.stdout
+
+
+def test_unsloth_trainer_full_finetune_keeps_a_bf16_model_bf16(tmp_path):
+    # UnslothTrainer on a model kept in bf16 (every parameter trained): no upcast, ApexW's stochastic rounding
+    result, _ = _run_check(tmp_path, "unsloth_first", "full_bf16")
+    assert result["control"] == "adamw_torch_fused", "Unsloth's CPU mode is not active: the check would prove nothing"
+    assert result["optimizer"] == "ApexW8bit" and result["param_dtypes"] == ["torch.bfloat16"]
+    assert result["param_rounding"] == ["stochastic"]
+    assert 2.0 < result["state_bytes_per_param"] < 2.2
+    assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]

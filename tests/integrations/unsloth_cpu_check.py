@@ -1,6 +1,7 @@
 """Run by test_unsloth.py in a fresh interpreter (Unsloth patches transformers and TRL globally when imported).
 
-Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first}. Prints one JSON line starting with RESULT.
+Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first} [full_bf16]. Prints one JSON line starting
+with RESULT. ``full_bf16``: instead of the LoRA run, a full fine-tune of the model kept in bf16 through UnslothTrainer.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 out_dir, order = sys.argv[1], sys.argv[2]
+full_bf16 = sys.argv[3:] == ["full_bf16"]
 # The import order is what is tested, so it is spelled out with importlib (an import sorter cannot reorder it).
 for module in ("apexw_hf", "unsloth") if order == "apexw_first" else ("unsloth", "apexw_hf"):
     importlib.import_module(module)
@@ -34,6 +36,34 @@ result["names"] = {}
 for name in ("apexw_8bit", "apexw_compact"):
     for cls in (TrainingArguments, SFTConfig, UnslothTrainingArguments):
         result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
+
+if full_bf16:
+    import torch
+
+    model = make_model(lora=False).to(torch.bfloat16)
+    config = UnslothTrainingArguments(
+        **common,
+        optim="apexw_8bit",
+        optim_args="engine=torch",
+        bf16=True,
+        max_steps=3,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        learning_rate=1e-2,
+        max_length=32,
+        dataset_text_field="text",
+        disable_tqdm=True,
+    )
+    trainer = UnslothTrainer(model=model, args=config, train_dataset=text_dataset(), processing_class=make_tokenizer())
+    trainer.train()
+    opt = unwrap_optimizer(trainer.optimizer)
+    result["optimizer"] = type(opt).__name__
+    result["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
+    result["param_rounding"] = sorted({g["param_rounding"] for g in opt.param_groups})
+    result["state_bytes_per_param"] = opt.state_bytes() / sum(p.numel() for p in trainer.model.parameters())
+    result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print("RESULT " + json.dumps(result))
+    sys.exit(0)
 
 # A short run through Unsloth's trainer, with embedding_learning_rate so UnslothTrainer builds its own param groups
 # (a trained copy of the embeddings gets the embedding learning rate).
