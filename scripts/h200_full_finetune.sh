@@ -2,7 +2,10 @@
 # The full fine-tuning measurements on one offline H200 (docs/full_finetune.md), in the two parts one device call
 # each can hold. Run from the repository root on the GPU host, with the wheelhouse in .whl (../shared/gpu/README.md):
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh speed   $OUT   # smoke of every stack, then memory/speed
-#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT   # the >= 1,000-step quality grid
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT [apexw-compare args]   # >= 1,000 steps
+# One call holds the four cells the targets are about, 2 seeds x 2 learning rates (16 runs, 8 at a time):
+#   ... quality $OUT --optimizers adamw_torch_fused@fp32,adamw_torch_fused@bf16,apexw_8bit@bf16,apexw_compact@bf16
+# and a second call the three others (adamw_8bit@fp32,adamw_8bit@bf16,apexw_8bit@fp32) into another --output-dir.
 # speed:   scripts/gpu_full_finetune_smoke.py (Trainer, SFTTrainer, Unsloth full fine-tuning, the fp16 error), then
 #          the 7 optimizer/dtype cells one run at a time at seq 1024 x batch 4 (peak memory, steps/s).
 # quality: configs/llama32_1b_full_h200.yaml, 4 runs sharing the GPU (peak memory is per process; steps/s there are
@@ -26,8 +29,10 @@ case $part in
     tar czf "$out/speed.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200_speed
     ;;
   quality)
-    python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml "${@:3}" 2>&1 | tee "$out/quality.log" \
-      | grep -v "^{'loss'" | tail -60
+    # the grid is stopped (its finished runs kept) before the device call's own limit, so the packing below runs
+    timeout "${QUALITY_SECONDS:-480}" python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml "${@:3}" \
+      2>&1 | tee "$out/quality.log" | grep -v "^{'loss'" | tail -60
+    python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml "${@:3}" --report-only > /dev/null 2>&1
     tar czf "$out/quality.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
