@@ -42,6 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The random streams are specified once, in _random (the kernels use the same module).
+from ._random import GOLDEN, MASK32, MIX1, MIX2, STREAM_MV, STREAM_P, stream_key
+from ._random import mix32 as _mix32
+
 __all__ = [
     "BLOCK",
     "STATE_FORMATS",
@@ -68,11 +72,6 @@ BLOCK = 256
 STATE_FORMATS = ("fp32", "compact", "8bit")
 PARAM_ROUNDINGS = ("stochastic", "nearest")
 
-MASK32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B1
-MIX1 = 0x85EBCA6B
-MIX2 = 0xC2B2AE35
-STREAM_MV, STREAM_P = 1, 3  # one stream for both moments; 2 (a separate v stream) is retired
 TWO_POW_M16 = 2.0**-16
 
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
@@ -136,24 +135,6 @@ class StepScalars:
 # ---------------------------------------------------------------------------------------------------------------
 # Counter-based random bits
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _mix32(x: int) -> int:
-    """murmur3's 32-bit finalizer on a Python int (a bijection of [0, 2**32))."""
-    x &= MASK32
-    x ^= x >> 16
-    x = (x * MIX1) & MASK32
-    x ^= x >> 13
-    x = (x * MIX2) & MASK32
-    x ^= x >> 16
-    return x
-
-
-def stream_key(seed: int, tensor_index: int, step: int, stream: int) -> int:
-    """The 32-bit key of one random stream: one tensor, one step, one use (m, v or the parameter)."""
-    k = _mix32(seed + GOLDEN * (tensor_index + 1))
-    k = _mix32(k ^ _mix32(step))
-    return _mix32(k + stream * 0x632BE5AB)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

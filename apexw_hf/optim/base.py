@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from .. import reference as ref
-from . import dtensor as dt
 from . import state as st
 
 _GRAD = operator.attrgetter("grad")
@@ -91,6 +90,7 @@ class ApexW(torch.optim.Optimizer):
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self._param_index: dict[torch.Tensor, int] = {}
         self._engine = None
+        self._cpu_engine = None
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -205,6 +205,13 @@ class ApexW(torch.optim.Optimizer):
             self._engine = TritonEngine(self)
         return self._engine
 
+    def _torch_engine(self):
+        if self._cpu_engine is None:
+            from .torch_engine import TorchEngine
+
+            self._cpu_engine = TorchEngine(self)
+        return self._cpu_engine
+
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -221,40 +228,8 @@ class ApexW(torch.optim.Optimizer):
             if self._uses_triton(group, params):
                 self._triton_engine().step_group(group, params, grads)  # checks each new gradient allocation
             else:
-                self._step_group_torch(group, params)
+                self._torch_engine().step_group(group, params, grads)
         return loss
-
-    def _step_group_torch(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr = _as_float("lr", group["lr"])
-        beta1, beta2 = (float(b) for b in group["betas"])
-        scalars_by_step: dict[int, ref.StepScalars] = {}
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
-            state = self._init_state(p, group)
-            state["step"] += 1
-            t = int(state["step"].item())
-            if t not in scalars_by_step:
-                scalars_by_step[t] = ref.StepScalars.make(
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    step=t,
-                )
-            ref.adamw_step_ref_(
-                dt.local(p),
-                dt.local(p.grad),
-                dt.local_view(state, p) if dt.is_dtensor(p) else state,
-                fmt=group["state_format"],
-                scalars=scalars_by_step[t],
-                seed=group["seed"],
-                tensor_index=self._tensor_index(p),
-                step=t,
-                maximize=group["maximize"],
-                param_rounding=group["param_rounding"],
-            )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -297,8 +272,9 @@ class ApexW(torch.optim.Optimizer):
                 group.setdefault(key, value)
             self._check_hparams(group)
         self.state.update(converted)
-        if self._engine is not None:
-            self._engine.invalidate()
+        for engine in (self._engine, self._cpu_engine):
+            if engine is not None:
+                engine.invalidate()
 
 
 _TRITON_OK: bool | None = None
