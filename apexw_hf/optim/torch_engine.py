@@ -1,32 +1,34 @@
 """Plain-PyTorch engine of :class:`~apexw_hf.optim.base.ApexW`: the reference's bits, a param group at a time.
 
-``reference.adamw_step_ref_`` is the specification: per tensor, readable, and slow (about 100 tensor operations per
-tensor, int64 hashing, a ``searchsorted`` per 8-bit code, ``sqrt`` corrected in fp64). This engine computes the same
-bits with the work laid out for a CPU:
+``reference.adamw_step_ref_`` is the specification: per tensor, readable, and slow (int64 hashing, a
+``searchsorted`` per 8-bit code, a square root corrected in fp64, fresh tensors for every intermediate). This engine
+computes the same bits with the work laid out for a CPU:
 
 * The tensors of a param group that share a parameter dtype and a step count are processed as one sequence of
   *chunks* of at most :data:`CHUNK` elements. A piece of a large tensor that fills a chunk is used in place (views of
   the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk (one
-  ``torch._foreach_copy_`` in, one out). 8-bit tensors start at a block boundary inside a chunk and their padding
-  is zero, as in the reference's ``_blocks``. A chunk is small enough for its ~15 scratch buffers to stay in the
-  CPU caches, so the many elementwise passes read cache, not memory; and large enough that the per-operation cost
-  of PyTorch (a few microseconds) is small beside the work.
-* Every operation writes into preallocated scratch or in place; ``torch.where`` and boolean masks (slow on the CPU)
-  are replaced by exact arithmetic (a comparison written as 0.0/1.0 floats, ``copysign``, ``maximum``).
-* The random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic
-  with wrapping multiplies and masked shifts (exact mod 2**32); the per-tensor keys come from
-  :mod:`apexw_hf._random` on the host, once per step, and are spread over a packed chunk with one ``cumsum``.
+  ``torch._foreach_copy_`` per tensor kind in, one out). In a packed 8-bit chunk every tensor starts at a block
+  boundary and its padding is zero, as in ``reference._blocks``. A chunk's ~20 scratch buffers fit the CPU caches, so
+  the many elementwise passes read cache, not memory, and a chunk is large enough that PyTorch's cost per operation
+  (about a microsecond) is small beside the work.
+* Every operation writes into preallocated scratch or in place, and every scalar operand is a 0-dim tensor made once
+  (a Python number costs a conversion per call). Boolean masks and ``torch.where`` (slow on the CPU) become exact
+  arithmetic: comparisons written as 0.0/1.0 floats, ``copysign``, ``maximum``.
+* Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
+  wrapping multiplies and masked shifts (exact mod 2**32). The per-tensor keys come from :mod:`apexw_hf._random` on
+  the host once per step and are spread over a packed chunk with one ``cumsum``.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
-  CPU is up to 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
+  CPU may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
 * The 8-bit code search is an approximate root and one comparison with the next code's decoded value (the kernels'
   method, ``kernels._quant.lower_code``), which picks exactly the code of the reference's table search.
-* The bit-level shortcuts for stochastic rounding to bf16 do not handle NaN; a chunk whose update has a NaN takes
-  the reference's rounding functions for its state or parameters (same bits, slower; NaN is rare and poisons the
-  run anyway). fp16 parameters with stochastic rounding always use the reference's ``round_to_fp16_stochastic``.
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale) do not handle NaN; where a
+  chunk's moments hold a NaN (or, for 8-bit, an infinity) the reference's own functions encode that chunk, and a bf16
+  parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is rare and poisons the
+  run anyway). fp16 parameters with stochastic rounding always use ``reference.round_param``.
 
 Tensors that are not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
-Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), up to the sign and
-payload of NaNs, which IEEE leaves to the hardware.
+Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
+and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
 Interface with the optimizer (as :class:`~apexw_hf.optim.engine.TritonEngine`)::
 
@@ -46,27 +48,211 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 
-CHUNK = 1 << 17  # elements per chunk: ~15 fp32/int32 scratch buffers of 512 KiB stay in a 2 MiB L2 per core pair
+CHUNK = 1 << 18  # elements per chunk (512 KiB per fp32 buffer)
 _BLOCK = ref.BLOCK
-_TWO_POW_M16 = ref.TWO_POW_M16
-_MIX1 = rnd.to_int32(rnd.MIX1)
-_MIX2 = rnd.to_int32(rnd.MIX2)
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 # An approximate root times just under 127 (255) floors to the right code or the one below (kernels._quant).
 _BELOW127 = 127.0 * (1.0 - 2.0**-16)
 _BELOW255 = 255.0 * (1.0 - 2.0**-16)
 
 
-class _Chunk:
-    """One batch of elements: ``segs`` are (member slot, first element in the tensor, element count, offset)."""
+class _Consts:
+    """0-dim tensors of the constants, on one device."""
 
-    __slots__ = ("segs", "length", "direct", "pads", "views")
+    def __init__(self, device):
+        def f(x):
+            return torch.tensor(x, dtype=torch.float32, device=device)
+
+        def i(x):
+            return torch.tensor(rnd.to_int32(x), dtype=torch.int32, device=device)
+
+        self.one, self.zero, self.two_m16 = f(1.0), f(0.0), f(ref.TWO_POW_M16)
+        self.inv127, self.inv255 = f(ref.INV127), f(ref.INV255)
+        self.below127, self.below255 = f(_BELOW127), f(_BELOW255)
+        self.max_guess_m, self.max_guess_v = f(125.0), f(253.0)
+        self.mix1, self.mix2 = i(rnd.MIX1), i(rnd.MIX2)
+        self.s13, self.s16, self.low16, self.low19, self.bf16_up = i(13), i(16), i(0xFFFF), i(0x7FFFF), i(0xFFFF)
+
+
+class _Buffers:
+    """The first ``n`` elements of every scratch buffer (cached per ``n``), with NumPy views where a root is taken."""
+
+    F32 = ("g", "m", "v", "a", "p", "y", "lo", "q0", "q1", "u")
+    I32 = ("h", "t", "k", "rm", "rv")
+
+    def __init__(self, scratch, n):
+        for name in self.F32 + self.I32:
+            setattr(self, name, getattr(scratch, name)[:n])
+        self.base = scratch.base[:n]
+        self.n = n
+        self.cpu = scratch.device.type == "cpu"
+        if self.cpu:
+            self.np = {name: getattr(self, name).numpy() for name in ("v", "a", "y", "lo")}
+        self._scratch = scratch
+        self._typed = {}
+
+    def typed(self, name, dtype):
+        key = (name, dtype)
+        buf = self._typed.get(key)
+        if buf is None:
+            buf = self._typed[key] = self._scratch.typed(name, dtype)[: self.n]
+        return buf
+
+
+class _Scratch:
+    """Preallocated chunk buffers of one device: fp32, int32, and storage dtypes on demand."""
+
+    def __init__(self, device):
+        self.device = device
+        for name in _Buffers.F32:
+            setattr(self, name, torch.empty(CHUNK, dtype=torch.float32, device=device))
+        for name in _Buffers.I32:
+            setattr(self, name, torch.empty(CHUNK, dtype=torch.int32, device=device))
+        # index * GOLDEN mod 2**32 (int64 -> int32 keeps the low 32 bits)
+        self.base = (torch.arange(CHUNK, dtype=torch.int64, device=device) * rnd.GOLDEN).to(torch.int32)
+        self.c = _Consts(device)
+        self._typed = {}
+        self._views = {}
+
+    def typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._typed.get((name, dtype))
+        if buf is None:
+            buf = self._typed[(name, dtype)] = torch.empty(CHUNK, dtype=dtype, device=self.device)
+        return buf
+
+    def upto(self, n: int) -> _Buffers:
+        b = self._views.get(n)
+        if b is None:
+            b = self._views[n] = _Buffers(self, n)
+        return b
+
+
+# ---- elementwise building blocks (all in place or into scratch) ------------------------------------------------
+
+
+def _sqrt_into(b: _Buffers, x: torch.Tensor, x_np, out: torch.Tensor, out_np) -> None:
+    """Correctly rounded fp32 ``sqrt(x)`` into ``out`` (the IEEE instruction through NumPy on the CPU)."""
+    if b.cpu:
+        np.sqrt(x_np if x_np is not None else x.numpy(), out=out_np)
+    else:
+        out.copy_(ref.sqrt_rn(x))
+
+
+def _hash(b: _Buffers, c: _Consts, segs, keys) -> None:
+    """``reference.hash_uniform_bits`` of every element into ``b.h``, and its two 16-bit halves as the moments use
+    them: ``b.rm`` = top 16 bits (rounds m), ``b.rv`` = low 16 bits (rounds v), int32 in [0, 2**16).
+
+    Element ``j`` of a tensor piece starting at element ``a`` and at chunk offset ``o`` gets
+    ``mix32((a + j) * GOLDEN + key) = mix32((o + j) * GOLDEN + d)`` with ``d = key + (a - o) * GOLDEN``: the chunk's
+    ``index * GOLDEN`` plus a constant per piece, spread with one cumsum. ``b.h`` is left without mix32's last
+    xor-shift, which changes only the low half (folded into ``b.rv``); :func:`_full_bits` completes it.
+    """
+    h, t = b.h, b.t
+    if len(segs) == 1:
+        _, a, _, o = segs[0][:4]
+        torch.add(b.base, rnd.to_int32(keys[0] + (a - o) * rnd.GOLDEN), out=h)
+    else:
+        k = b.k
+        k.zero_()
+        offs, deltas, prev = [], [], 0
+        for seg, key in zip(segs, keys):
+            _, a, _, o = seg[:4]
+            d = (key + (a - o) * rnd.GOLDEN) & rnd.MASK32
+            offs.append(o)
+            deltas.append(rnd.to_int32(d - prev))
+            prev = d
+        k[offs] = torch.tensor(deltas, dtype=torch.int32, device=k.device)
+        torch.cumsum(k, 0, dtype=torch.int32, out=t)  # accumulates in int64, stores mod 2**32
+        torch.add(b.base, t, out=h)
+    # murmur3 fmix32; int32 multiplies wrap (the product mod 2**32), right shifts of int32 are arithmetic: masked
+    torch.bitwise_right_shift(h, c.s16, out=t)
+    h.bitwise_xor_(t.bitwise_and_(c.low16))
+    h.mul_(c.mix1)
+    torch.bitwise_right_shift(h, c.s13, out=t)
+    h.bitwise_xor_(t.bitwise_and_(c.low19))
+    h.mul_(c.mix2)
+    torch.bitwise_right_shift(h, c.s16, out=t)
+    torch.bitwise_and(t, c.low16, out=b.rm)
+    torch.bitwise_xor(h, t, out=b.rv).bitwise_and_(c.low16)
+
+
+def _full_bits(b: _Buffers) -> torch.Tensor:
+    """The complete random words of :func:`_hash` as the reference's int64 values in [0, 2**32)."""
+    x = b.h.to(torch.int64) & rnd.MASK32
+    return x ^ (x >> 16)
+
+
+def _bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: _Consts, out: torch.Tensor) -> None:
+    """``reference.round_to_bf16_stochastic`` of non-NaN ``x``: the top 16 bits of (bits of x + 16 random bits)."""
+    torch.add(x.view(torch.int32), rand, out=t)
+    torch.bitwise_right_shift(t, c.s16, out=out.view(torch.int16))  # int32 -> int16 keeps the low 16 bits
+
+
+def _decode_abs_(x: torch.Tensor, inv_n: torch.Tensor, q4: bool) -> torch.Tensor:
+    """In place ``reference._q2`` / ``_q4`` of float codes: ``t = c * (1/n); t * t`` (``q4``: squared again)."""
+    x.mul_(inv_n)
+    x.mul_(x)
+    if q4:
+        x.mul_(x)
+    return x
+
+
+def _encode(b: _Buffers, c: _Consts, x: torch.Tensor, blocks: int, codes_out, scale_out, is_v: bool) -> None:
+    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` (finite) into ``codes_out`` (int8 / uint8)
+    and ``scale_out`` (bf16 per block), with the random halves in ``b.rm`` / ``b.rv``."""
+    y, lo, q0, q1, u = b.y, b.lo, b.q0, b.q1, b.u
+    if is_v:
+        y.copy_(x)
+    else:
+        torch.abs(x, out=y)
+    yb = y.view(blocks, _BLOCK)
+    # The block scale: the absmax rounded up to bf16 on its bits (finite, so no NaN case), and 1/scale or 0.
+    amax = yb.amax(dim=1)
+    up = torch.add(amax.view(torch.int32), c.bf16_up)
+    torch.bitwise_right_shift(up, c.s16, out=scale_out.view(torch.int16))
+    inv = torch.reciprocal(scale_out.float()).nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
+    yb.mul_(inv[:, None]).clamp_(max=c.one)
+    # lo: floor(root(y) * just under n) is lo or lo - 1; clamped to n - 2 it stays <= n - 1 after the correction.
+    if b.cpu:
+        np.sqrt(b.np["y"], out=b.np["lo"])
+        if is_v:
+            np.sqrt(b.np["lo"], out=b.np["lo"])
+    else:
+        torch.sqrt(y, out=lo)
+        if is_v:
+            lo.sqrt_()
+    inv_n = c.inv255 if is_v else c.inv127
+    lo.mul_(c.below255 if is_v else c.below127).floor_().clamp_(max=c.max_guess_v if is_v else c.max_guess_m)
+    _decode_abs_(torch.add(lo, c.one, out=q1), inv_n, is_v)
+    lo.add_(torch.ge(y, q1, out=u))
+    _decode_abs_(q0.copy_(lo), inv_n, is_v)
+    _decode_abs_(torch.add(lo, c.one, out=q1), inv_n, is_v)
+    # reference._stochastic_code: lo + (u * (q(lo+1) - q(lo)) < y - q(lo)), u = rand * 2**-16
+    q1.sub_(q0)
+    torch.sub(y, q0, out=q0)
+    u.copy_(b.rv if is_v else b.rm).mul_(c.two_m16).mul_(q1)
+    lo.add_(torch.lt(u, q0, out=u))
+    if is_v:
+        torch.maximum(lo, torch.gt(x, c.zero, out=u), out=lo)  # a nonzero v never gets code 0
+    else:
+        torch.copysign(lo, x, out=lo)  # -c where m < 0; where m is -0 the code is 0 either way
+    codes_out.copy_(lo)
+
+
+# ---- plans ------------------------------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """One batch of elements. ``segs``: (slot, first element in the tensor, count, chunk offset, whole tensor)."""
+
+    __slots__ = ("segs", "length", "direct", "pads", "io")
 
     def __init__(self, segs, length, direct, pads):
         self.segs = segs
         self.length = length
         self.direct = direct
         self.pads = pads  # (offset, count) of 8-bit padding in a packed chunk
-        self.views = None  # scratch slices of a packed chunk, made on first use
+        self.io = None  # persistent views (see _Layout._bind)
 
 
 def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
@@ -78,7 +264,7 @@ def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
         if segs:
             pads = []
             if blocked:
-                for _, _, n, off in segs:
+                for _, _, n, off, _ in segs:
                     end = -(-n // _BLOCK) * _BLOCK
                     if end > n:
                         pads.append((off + n, end - n))
@@ -88,200 +274,89 @@ def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
     for slot, n in enumerate(numels):
         start = 0
         while n - start >= CHUNK:
-            chunks.append(_Chunk([(slot, start, CHUNK, 0)], CHUNK, True, []))
+            chunks.append(_Chunk([(slot, start, CHUNK, 0, start == 0 and n == CHUNK)], CHUNK, True, []))
             start += CHUNK
         rest = n - start
         if rest:
             span = -(-rest // _BLOCK) * _BLOCK if blocked else rest
             if fill + span > CHUNK:
                 close()
-            segs.append((slot, start, rest, fill))
+            segs.append((slot, start, rest, fill, start == 0))
             fill += span
     close()
     return chunks
 
 
-class _Scratch:
-    """Preallocated buffers of one chunk, per device (fp32 ``f*``, int32 ``i*``, and the storage dtypes)."""
-
-    F32 = ("g", "m", "v", "a", "p", "y", "q0", "q1", "u", "r")
-    I32 = ("h", "t", "k")
-
-    def __init__(self, device):
-        self.device = device
-        for name in self.F32:
-            setattr(self, name, torch.empty(CHUNK, dtype=torch.float32, device=device))
-        for name in self.I32:
-            setattr(self, name, torch.empty(CHUNK, dtype=torch.int32, device=device))
-        # index * GOLDEN mod 2**32 (int64 -> int32 keeps the low 32 bits)
-        self.base = (torch.arange(CHUNK, dtype=torch.int64, device=device) * rnd.GOLDEN).to(torch.int32)
-        self.store = {}  # (name, dtype) -> buffer of a storage dtype (bf16 moments, int8/uint8 codes, params)
-
-    def typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        buf = self.store.get((name, dtype))
-        if buf is None:
-            buf = self.store[(name, dtype)] = torch.empty(CHUNK, dtype=dtype, device=self.device)
-        return buf
-
-
-def _sqrt_into(x: torch.Tensor, out: torch.Tensor) -> None:
-    """Correctly rounded fp32 ``sqrt(x)`` into ``out`` (a different buffer)."""
-    if x.device.type == "cpu":
-        np.sqrt(x.numpy(), out=out.numpy())  # the IEEE instruction
-    else:
-        out.copy_(ref.sqrt_rn(x))
-
-
-def _approx_sqrt_(x: torch.Tensor) -> None:
-    """In place ``sqrt`` within an ulp or so (only a guess for the code search)."""
-    if x.device.type == "cpu":
-        np.sqrt(x.numpy(), out=x.numpy())
-    else:
-        x.sqrt_()
-
-
-def _mix32_(h: torch.Tensor, t: torch.Tensor) -> None:
-    """murmur3's finalizer in place on int32 ``h`` (bits of uint32 values); ``t`` is scratch of the same size.
-
-    int32 multiplies wrap, which is the product mod 2**32; right shifts of int32 are arithmetic, so they are masked.
-    """
-    torch.bitwise_right_shift(h, 16, out=t)
-    h.bitwise_xor_(t.bitwise_and_(0xFFFF))
-    h.mul_(_MIX1)
-    torch.bitwise_right_shift(h, 13, out=t)
-    h.bitwise_xor_(t.bitwise_and_(0x7FFFF))
-    h.mul_(_MIX2)
-    torch.bitwise_right_shift(h, 16, out=t)
-    h.bitwise_xor_(t.bitwise_and_(0xFFFF))
-
-
-def _hash_into(h, sc: _Scratch, ch: _Chunk, keys: list[int], n: int) -> None:
-    """``reference.hash_uniform_bits`` for every element of chunk ``ch`` (int32 bits), ``keys`` per segment.
-
-    Element ``j`` of a tensor at chunk offset ``o`` gets ``mix32(j * GOLDEN + key) = mix32((o + j) * GOLDEN + d)``
-    with ``d = key - o * GOLDEN``: the chunk's ``index * GOLDEN`` plus a constant per segment, spread with a cumsum.
-    """
-    base = sc.base[:n]
-    if len(ch.segs) == 1:
-        _, start, _, off = ch.segs[0]
-        torch.add(base, rnd.to_int32((keys[0] + (start - off) * rnd.GOLDEN) & rnd.MASK32), out=h)
-    else:
-        k = sc.k[:n]
-        k.zero_()
-        prev = 0
-        starts, deltas = [], []
-        for (_, start, _, off), key in zip(ch.segs, keys):
-            d = (key + (start - off) * rnd.GOLDEN) & rnd.MASK32
-            starts.append(off)
-            deltas.append(rnd.to_int32((d - prev) & rnd.MASK32))
-            prev = d
-        k[starts] = torch.tensor(deltas, dtype=torch.int32, device=k.device)
-        t = sc.t[:n]
-        torch.cumsum(k, 0, dtype=torch.int32, out=t)  # accumulates in int64, stores mod 2**32
-        torch.add(base, t, out=h)
-    _mix32_(h, sc.t[:n])
-
-
-def _bf16_stochastic_into(x, h, t, out_bits) -> None:
-    """``reference.round_to_bf16_stochastic(x, bits)`` for finite or infinite ``x``: top 16 of (bits of x + rand).
-
-    ``t`` holds the 16 random bits (int32) on entry; ``out_bits`` is the int16 view of the bf16 destination.
-    """
-    t.add_(x.view(torch.int32))
-    t.bitwise_right_shift_(16)
-    out_bits.copy_(t)  # int32 -> int16 keeps the low 16 bits
-
-
-def _code_search_(y, g, q0, q1, u, inv_n: float, below: float, top: float, q4: bool) -> None:
-    """The reference's ``lo`` (largest code decoding to at most ``y``, clamped to ``top - 1``) into ``g``, and
-    ``q(lo)``, ``q(lo + 1)`` into ``q0``, ``q1``; ``u`` is scratch.
-
-    ``y`` in [0, 1]. The guess ``floor(root(y) * below)`` is ``lo`` or ``lo - 1`` (``reference._lower_code``'s
-    kernel counterpart explains why); clamping it to ``top - 2`` keeps ``lo <= top - 1`` after the correction.
-    """
-    g.copy_(y)
-    _approx_sqrt_(g)
-    if q4:
-        _approx_sqrt_(g)
-    g.mul_(below).floor_().clamp_(max=top - 2.0)
-    _decode_abs(torch.add(g, 1.0, out=q1), inv_n, q4)
-    torch.ge(y, q1, out=u)
-    g.add_(u)
-    _decode_abs(q0.copy_(g), inv_n, q4)
-    _decode_abs(torch.add(g, 1.0, out=q1), inv_n, q4)
-
-
-def _decode_abs(c: torch.Tensor, inv_n: float, q4: bool) -> torch.Tensor:
-    """In place ``reference._q2`` / ``_q4``: ``(c / n)**2`` or ``**4`` with the reference's fp32 operation order."""
-    c.mul_(inv_n)
-    c.mul_(c)
-    if q4:
-        c.mul_(c)
-    return c
-
-
-def _pick_(y, g, q0, q1, u, rand_i32) -> None:
-    """``reference._stochastic_code``: ``g += (rand * 2**-16 * (q1 - q0) < y - q0)``; clobbers q0, q1, u."""
-    q1.sub_(q0)
-    torch.sub(y, q0, out=q0)
-    u.copy_(rand_i32).mul_(_TWO_POW_M16).mul_(q1)
-    torch.lt(u, q0, out=u)
-    g.add_(u)
-
-
-def _quantize_(x, blocks, sc, n, h, rand_bits, codes_out, scale_out, is_v: bool) -> None:
-    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` into ``codes_out`` (int8 / uint8 view)
-    and ``scale_out`` (bf16, one per block)."""
-    y, g, q0, q1, u = sc.y[:n], sc.q0[:n], sc.q1[:n], sc.u[:n], sc.r[:n]
-    if is_v:
-        y.copy_(x)
-    else:
-        torch.abs(x, out=y)
-    yb = y.view(blocks, _BLOCK)
-    scale, inv = ref._scale(yb)
-    scale_out.copy_(scale)
-    yb.mul_(inv[:, None]).clamp_(max=1.0)
-    if not bool(torch.isfinite(scale).all()):
-        y.nan_to_num_(nan=0.0)  # as reference._normalized: only a NaN or infinite scale makes NaN here
-    if is_v:
-        _code_search_(y, g, q0, q1, u, ref.INV255, _BELOW255, 255.0, True)
-    else:
-        _code_search_(y, g, q0, q1, u, ref.INV127, _BELOW127, 127.0, False)
-    _pick_(y, g, q0, q1, u, rand_bits)
-    if is_v:
-        torch.gt(x, 0.0, out=u)
-        torch.maximum(g, u, out=g)  # a nonzero v never gets code 0
-    else:
-        torch.copysign(g, x, out=g)  # -c where m < 0; where m is -0 or NaN the code is 0 either way
-    codes_out.copy_(g)
-
-
 class _Layout:
     """Chunks of the members of one param group that share a parameter dtype and a step count."""
 
-    def __init__(self, opt, group, members, states):
+    def __init__(self, opt, group, members, states, scratch: _Scratch):
         self.members = members
         self.fmt = group["state_format"]
         self.dtype = members[0].dtype
-        self.device = dt.local(members[0]).device
-        self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(p)) for p in members]
-        local_states = [dt.local_view(s, p) if dt.is_dtensor(p) else s for p, s in zip(members, states)]
-        self.p_flat, self.state_flat, self.slow = [], [], []
-        fast = []
-        for i, (p, s) in enumerate(zip(members, local_states)):
-            lp = dt.local(p)
-            tensors = [s[k] for k in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale") if k in s]
-            if lp.is_contiguous() and all(t.is_contiguous() for t in tensors):
-                fast.append(i)
-            else:
-                self.slow.append(i)
-        self.fast = fast
-        self.local_states = local_states
-        for i in fast:
-            s = local_states[i]
-            self.p_flat.append(dt.local(members[i]).view(-1))
-            self.state_flat.append({k: (v.view(-1) if isinstance(v, torch.Tensor) else v) for k, v in s.items()})
-        self.chunks = _plan_chunks([t.numel() for t in self.p_flat], self.fmt == "8bit")
+        self.local_states = [dt.local_view(s, p) if dt.is_dtensor(p) else s for p, s in zip(members, states)]
+        self.fast, self.slow = [], []
+        for i, (p, s) in enumerate(zip(members, self.local_states)):
+            tensors = [dt.local(p)] + [s[k] for k in _STATE_KEYS if k in s]
+            (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
+        self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(members[i])) for i in self.fast]
+        self.locals = [dt.local(members[i]) for i in self.fast]
+        self.shapes = [p.shape for p in self.locals]
+        self.chunks = _plan_chunks([p.numel() for p in self.locals], self.fmt == "8bit")
+        for ch in self.chunks:
+            ch.io = self._bind(ch, scratch)
+
+    def _bind(self, ch: _Chunk, scratch: _Scratch) -> dict:
+        """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
+        packed chunk, flat views for an in-place chunk."""
+        fmt = self.fmt
+        b = scratch.upto(ch.length)
+        st = [self.local_states[i] for i in self.fast]
+        io = {}
+
+        def piece(t, seg, scale=False):
+            slot, a, k, _, whole = seg
+            if scale:
+                return t if whole else t[a // _BLOCK : -(-(a + k) // _BLOCK)]
+            return t if whole else t.view(-1)[a : a + k]
+
+        def slices(buf, scale=False):
+            out = []
+            for seg in ch.segs:
+                slot, a, k, o, whole = seg
+                if scale:
+                    out.append(buf[o // _BLOCK : o // _BLOCK + -(-k // _BLOCK)])
+                else:
+                    out.append(buf[o : o + k].view(self.shapes[slot]) if whole else buf[o : o + k])
+            return out
+
+        p_kind = "p" if self.dtype == torch.float32 else "p_store"
+        p_buf = b.p if self.dtype == torch.float32 else b.typed("p_store", self.dtype)
+        moments = {"fp32": ("m", "v"), "compact": ("m_store", "v_store"), "8bit": ("m_store", "v_store")}[fmt]
+        mdt = {"fp32": (None, None), "compact": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}[fmt]
+        if ch.direct:
+            seg = ch.segs[0]
+            io["p"] = piece(self.locals[seg[0]], (*seg[:4], False))
+            for key in _STATE_KEYS:
+                if key in st[seg[0]]:
+                    io[key] = piece(st[seg[0]][key], (*seg[:4], False), scale=key.endswith("_scale"))
+            return io
+        io["p_src"] = [piece(self.locals[s[0]], s) for s in ch.segs]
+        io["p_in"] = slices(b.p)
+        io["p_out"] = slices(p_buf) if p_kind == "p_store" else io["p_in"]
+        io["g_dst"] = slices(b.g)
+        for key, name, dtype in zip(_STATE_KEYS[:2], moments, mdt):
+            io[key] = [piece(st[s[0]][key], s) for s in ch.segs]
+            io[key + "_buf"] = slices(getattr(b, name) if dtype is None else b.typed(name, dtype))
+        if fmt == "compact":
+            io["m_f32"], io["v_f32"] = slices(b.m), slices(b.v)
+        if fmt == "8bit":
+            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
+                io[key] = [piece(st[s[0]][key], s, scale=True) for s in ch.segs]
+                io[key + "_buf"] = slices(scratch.typed(name, torch.bfloat16), scale=True)
+            io["pads_in"] = [x[o : o + k] for x in (b.g, b.p) for o, k in ch.pads]
+            io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
+        return io
 
 
 class TorchEngine:
@@ -303,17 +378,25 @@ class TorchEngine:
         return sc
 
     def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update."""
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update.
+
+        ``grads``: their ``.grad`` tensors, in the same order.
+        """
         if not params:
             return
         opt = self.optimizer
-        for g in grads:
+        for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
+                    "have their parameter's shape"
+                )
         states = [opt._init_state(p, group) for p in params]
         step_tensors = [s["step"] for s in states]
         torch._foreach_add_(step_tensors, 1.0)
-        steps = [int(t.item()) for t in step_tensors]
+        steps = [int(t) for t in torch.stack(step_tensors).tolist()]
         key = (
             group["state_format"],
             group["seed"],
@@ -326,14 +409,16 @@ class TorchEngine:
             by_kind: dict[tuple, list[int]] = {}
             for i, (p, t) in enumerate(zip(params, steps)):
                 by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
+            sc = self._scratch_for(dt.local(params[0]).device)
             layouts = [
-                (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx]), idx)
+                (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], sc), idx)
                 for idx in by_kind.values()
             ]
             cached = (key, layouts)
             self._layouts[id(group)] = cached
+        lr = group["lr"]
         hp = dict(
-            lr=float(group["lr"].item()) if isinstance(group["lr"], torch.Tensor) else float(group["lr"]),
+            lr=float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr),
             beta1=float(group["betas"][0]),
             beta2=float(group["betas"][1]),
             eps=float(group["eps"]),
@@ -345,8 +430,7 @@ class TorchEngine:
 
     def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
         maximize = group["maximize"]
-        stochastic_p = layout.dtype != torch.float32 and group["param_rounding"] == "stochastic"
-        seed = group["seed"]
+        rounding = group["param_rounding"]
         for i in layout.slow:
             p = layout.members[i]
             ref.adamw_step_ref_(
@@ -355,185 +439,137 @@ class TorchEngine:
                 layout.local_states[i],
                 fmt=layout.fmt,
                 scalars=s,
-                seed=seed,
+                seed=group["seed"],
                 tensor_index=self.optimizer._tensor_index(p),
                 step=t,
                 maximize=maximize,
-                param_rounding=group["param_rounding"],
+                param_rounding=rounding,
             )
         if not layout.fast:
             return
-        g_flat = []
-        for i, p_flat in zip(layout.fast, layout.p_flat):
-            g = dt.local(grads[i])
-            if g.numel() != p_flat.numel():
-                raise ValueError(
-                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(layout.members[i].shape)}; "
-                    "gradients must have their parameter's shape"
-                )
-            g_flat.append(g.reshape(-1))
-        mix_t = rnd.mix32(t)
-        keys_mv = [rnd.stream_key_from(layout.tkeys[i], mix_t, rnd.STREAM_MV) for i in layout.fast]
-        keys_p = [rnd.stream_key_from(layout.tkeys[i], mix_t, rnd.STREAM_P) for i in layout.fast] if stochastic_p else None
-        sc = self._scratch_for(layout.device)
+        grads = [dt.local(grads[i]) for i in layout.fast]
+        sc = self._scratch_for(layout.locals[0].device)
+        # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.
+        k = torch.tensor(
+            [s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.inv_bc2_sqrt, s.eps, s.step_size, s.decay],
+            dtype=torch.float32,
+            device=sc.device,
+        ).unbind()
+        mixed = rnd.mix32(t)
+        stochastic_p = layout.dtype != torch.float32 and rounding == "stochastic"
+        keys_mv = [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
+        keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if stochastic_p else None
         for ch in layout.chunks:
-            _step_chunk(layout, ch, sc, g_flat, keys_mv, keys_p, s, maximize, stochastic_p)
+            _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
 
 
-def _views(ch: _Chunk, sc: _Scratch, layout: _Layout):
-    """Scratch slices of a packed chunk, one per segment, for each buffer it gathers into or scatters from."""
-    if ch.views is None:
-        fmt, dtype = layout.fmt, layout.dtype
-        names = [("g", torch.float32), ("p", torch.float32)]
-        if dtype != torch.float32:
-            names.append(("p_store", dtype))
-        if fmt == "fp32":
-            names += [("m", torch.float32), ("v", torch.float32)]
-        elif fmt == "compact":
-            names += [("m", torch.float32), ("v", torch.float32), ("m_store", torch.bfloat16)]
-            names += [("v_store", torch.bfloat16)]
-        else:
-            names += [("m_store", torch.int8), ("v_store", torch.uint8)]
-        out = {}
-        for name, dt_ in names:
-            buf = getattr(sc, name) if name in _Scratch.F32 else sc.typed(name, dt_)
-            out[name] = [buf[off : off + n] for _, _, n, off in ch.segs]
-        if fmt == "8bit":
-            for name in ("m_scale", "v_scale"):
-                buf = sc.typed(name, torch.bfloat16)
-                out[name] = [buf[off // _BLOCK : (off + n + _BLOCK - 1) // _BLOCK] for _, _, n, off in ch.segs]
-            out["pads"] = {name: [getattr(sc, name)[o : o + k] for o, k in ch.pads] for name in ("g", "p", "m", "v")}
-        ch.views = out
-    return ch.views
-
-
-def _step_chunk(layout, ch, sc, g_flat, keys_mv, keys_p, s, maximize, stochastic_p) -> None:
-    fmt, dtype = layout.fmt, layout.dtype
+def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
+    """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay = k
+    fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
     n = ch.length
-    G, M, V, A, P = sc.g[:n], sc.m[:n], sc.v[:n], sc.a[:n], sc.p[:n]
-    H, T = sc.h[:n], sc.t[:n]
-    segs = ch.segs
-    fast_slots = layout.fast
-    # ---- gather -------------------------------------------------------------------------------------------------
-    if ch.direct:
-        slot, start, _, _ = segs[0]
-        sl = slice(start, start + n)
-        st_ = layout.state_flat[slot]
-        g_src = g_flat[slot][sl]
-        if g_src.dtype == torch.float32 and not maximize:
-            G = g_src
-        else:
-            G.copy_(g_src)
-            if maximize:
-                G.neg_()
-        p_dst = layout.p_flat[slot][sl]
-        if dtype == torch.float32:
-            P = p_dst
-        else:
-            P.copy_(p_dst)
-        if fmt == "fp32":
-            M, V = st_["exp_avg"][sl], st_["exp_avg_sq"][sl]
-        elif fmt == "compact":
-            M.copy_(st_["exp_avg"][sl])
-            V.copy_(st_["exp_avg_sq"][sl])
-        else:
-            bsl = slice(start // _BLOCK, (start + n) // _BLOCK)
-            m_codes, v_codes = st_["exp_avg"][sl], st_["exp_avg_sq"][sl]
-            m_scale, v_scale = st_["exp_avg_scale"][bsl], st_["exp_avg_sq_scale"][bsl]
-        views = None
-    else:
-        views = _views(ch, sc, layout)
-        srcs = [g_flat[slot][a : a + k] for slot, a, k, _ in segs]
-        torch._foreach_copy_(views["g"], srcs)
-        if maximize:
-            G.neg_()
-        p_srcs = [layout.p_flat[slot][a : a + k] for slot, a, k, _ in segs]
-        torch._foreach_copy_(views["p"], p_srcs)
-        st_srcs = [layout.state_flat[slot] for slot, _, _, _ in segs]
-        if fmt == "8bit":
-            torch._foreach_zero_(views["pads"]["g"] + views["pads"]["p"])
-            m_codes, v_codes = sc.typed("m_store", torch.int8)[:n], sc.typed("v_store", torch.uint8)[:n]
-            torch._foreach_copy_(views["m_store"], [d["exp_avg"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)])
-            torch._foreach_copy_(
-                views["v_store"], [d["exp_avg_sq"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)]
-            )
-            bl = [(a // _BLOCK, (a + k + _BLOCK - 1) // _BLOCK) for _, a, k, _ in segs]
-            torch._foreach_copy_(views["m_scale"], [d["exp_avg_scale"][b0:b1] for d, (b0, b1) in zip(st_srcs, bl)])
-            torch._foreach_copy_(
-                views["v_scale"], [d["exp_avg_sq_scale"][b0:b1] for d, (b0, b1) in zip(st_srcs, bl)]
-            )
-            nb = n // _BLOCK
-            m_scale = sc.typed("m_scale", torch.bfloat16)[:nb]
-            v_scale = sc.typed("v_scale", torch.bfloat16)[:nb]
-        else:
-            m_dst = [d["exp_avg"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)]
-            v_dst = [d["exp_avg_sq"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)]
-            torch._foreach_copy_(views["m"], m_dst)
-            torch._foreach_copy_(views["v"], v_dst)
+    b = sc.upto(n)
+    G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
     blocks = n // _BLOCK
-    if fmt == "8bit":  # dequantize: t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are sign-symmetric)
-        M.copy_(m_codes).mul_(ref.INV127)
-        M.mul_(torch.abs(M, out=A))
-        M.view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
-        _decode_abs(V.copy_(v_codes), ref.INV255, True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+    v_np = None
+    # ---- gather ---------------------------------------------------------------------------------------------
+    if ch.direct:
+        slot, a, _, _, _ = ch.segs[0]
+        g = grads[slot].reshape(-1)[a : a + n]
+        if g.dtype == torch.float32 and not maximize:
+            G = g
+        else:
+            G.copy_(g)
+        if dtype == torch.float32:
+            P = io["p"]
+        else:
+            P.copy_(io["p"])
+        m_state, v_state = io["exp_avg"], io["exp_avg_sq"]
+        if fmt == "fp32":
+            M, V = m_state, v_state
+        elif fmt == "compact":
+            M.copy_(m_state)
+            V.copy_(v_state)
+        else:
+            m_scale, v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+    else:
+        srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
+        torch._foreach_copy_(io["g_dst"], srcs)
+        torch._foreach_copy_(io["p_in"], io["p_src"])
+        if ch.pads:
+            torch._foreach_zero_(io["pads_in"])
+        if fmt == "fp32":
+            torch._foreach_copy_(io["exp_avg_buf"], io["exp_avg"])
+            torch._foreach_copy_(io["exp_avg_sq_buf"], io["exp_avg_sq"])
+        elif fmt == "compact":
+            torch._foreach_copy_(io["m_f32"], io["exp_avg"])
+            torch._foreach_copy_(io["v_f32"], io["exp_avg_sq"])
+        else:
+            for key in _STATE_KEYS:
+                torch._foreach_copy_(io[key + "_buf"], io[key])
+            m_state, v_state = b.typed("m_store", torch.int8), b.typed("v_store", torch.uint8)
+            m_scale = sc.typed("m_scale", torch.bfloat16)[:blocks]
+            v_scale = sc.typed("v_scale", torch.bfloat16)[:blocks]
+    if maximize:
+        G.neg_()
+    if fmt == "8bit":
+        # dequantize; t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are symmetric in sign)
+        M.copy_(m_state).mul_(c.inv127)
+        M.mul_(torch.abs(M, out=A)).view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
+        _decode_abs_(V.copy_(v_state), c.inv255, True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+    if b.cpu and V is b.v:
+        v_np = b.np["v"]
     # ---- the update, in the reference's operation order -------------------------------------------------------
-    M.mul_(s.beta1).add_(torch.mul(G, s.one_minus_beta1, out=A))
-    torch.mul(G, G, out=A).mul_(s.one_minus_beta2)
-    V.mul_(s.beta2).add_(A)
-    if views is not None and fmt == "8bit":
-        torch._foreach_zero_(views["pads"]["m"] + views["pads"]["v"])  # the reference pads m and v with zeros
-    _sqrt_into(V, A)
-    A.mul_(s.inv_bc2_sqrt).add_(s.eps)
+    M.mul_(beta1).add_(torch.mul(G, one_minus_beta1, out=A))
+    torch.mul(G, G, out=A).mul_(one_minus_beta2)
+    V.mul_(beta2).add_(A)
+    if ch.pads:
+        torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
+    _sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
+    A.mul_(inv_bc2_sqrt).add_(eps)
     torch.div(M, A, out=A)
-    state_nan = fmt != "fp32" and math.isnan(float(A.sum()))  # NaN in m or v (or inf / inf)
-    A.mul_(s.step_size)
-    P.mul_(s.decay).sub_(A)
-    # ---- parameters ---------------------------------------------------------------------------------------------
+    moments_nan = fmt == "compact" and math.isnan(float(A.sum()))  # m or v has a NaN (or inf / inf)
+    A.mul_(step_size)
+    P.mul_(decay).sub_(A)
+    # ---- parameters -------------------------------------------------------------------------------------------
     if dtype != torch.float32:
-        p_out = p_dst if ch.direct else sc.typed("p_store", dtype)[:n]
+        p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
         if stochastic_p:
-            _hash_into(H, sc, ch, [keys_p[slot] for slot, _, _, _ in segs], n)
+            _hash(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs])
             if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
-                torch.bitwise_right_shift(H, 16, out=T).bitwise_and_(0xFFFF)
-                _bf16_stochastic_into(P, H, T, p_out.view(torch.int16))
+                _bf16_stochastic(P, b.rm, b.t, c, p_out)
             else:
-                p_out.copy_(ref.round_param(P, dtype, H.to(torch.int64) & rnd.MASK32))
+                p_out.copy_(ref.round_param(P, dtype, _full_bits(b)))
         else:
             p_out.copy_(P)
-        if not ch.direct:
-            torch._foreach_copy_(p_srcs, views["p_store"])
-    elif not ch.direct:
-        torch._foreach_copy_(p_srcs, views["p"])
-    # ---- moments ------------------------------------------------------------------------------------------------
+    if not ch.direct:
+        torch._foreach_copy_(io["p_src"], io["p_out"])
+    # ---- moments ----------------------------------------------------------------------------------------------
     if fmt == "fp32":
         if not ch.direct:
-            torch._foreach_copy_(m_dst, views["m"])
-            torch._foreach_copy_(v_dst, views["v"])
+            torch._foreach_copy_(io["exp_avg"], io["exp_avg_buf"])
+            torch._foreach_copy_(io["exp_avg_sq"], io["exp_avg_sq_buf"])
         return
-    _hash_into(H, sc, ch, [keys_mv[slot] for slot, _, _, _ in segs], n)
+    _hash(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs])
     if fmt == "compact":
-        m_out = st_["exp_avg"][sl] if ch.direct else sc.typed("m_store", torch.bfloat16)[:n]
-        v_out = st_["exp_avg_sq"][sl] if ch.direct else sc.typed("v_store", torch.bfloat16)[:n]
-        if state_nan:
-            bits = H.to(torch.int64) & rnd.MASK32
+        m_out = m_state if ch.direct else b.typed("m_store", torch.bfloat16)
+        v_out = v_state if ch.direct else b.typed("v_store", torch.bfloat16)
+        if moments_nan:
+            bits = _full_bits(b)
             m_out.copy_(ref.round_to_bf16_stochastic(M, bits))
             v_out.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
         else:
-            torch.bitwise_right_shift(H, 16, out=T).bitwise_and_(0xFFFF)
-            _bf16_stochastic_into(M, H, T, m_out.view(torch.int16))
-            torch.bitwise_and(H, 0xFFFF, out=T)
-            _bf16_stochastic_into(V, H, T, v_out.view(torch.int16))
-        if not ch.direct:
-            torch._foreach_copy_(m_dst, views["m_store"])
-            torch._foreach_copy_(v_dst, views["v_store"])
-        return
-    torch.bitwise_right_shift(H, 16, out=T).bitwise_and_(0xFFFF)
-    _quantize_(M, blocks, sc, n, H, T, m_codes, m_scale, False)
-    torch.bitwise_and(H, 0xFFFF, out=T)
-    _quantize_(V, blocks, sc, n, H, T, v_codes, v_scale, True)
+            _bf16_stochastic(M, b.rm, b.t, c, m_out)
+            _bf16_stochastic(V, b.rv, b.t, c, v_out)
+    else:
+        for x, codes, scale, is_v in ((M, m_state, m_scale, False), (V, v_state, v_scale, True)):
+            if math.isfinite(float(x.sum())):  # no NaN or infinity: the bf16 scale on its bits is exact
+                _encode(b, c, x, blocks, codes, scale, is_v)
+            else:
+                qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, _full_bits(b))
+                codes.copy_(qc)
+                scale.copy_(qs)
     if not ch.direct:
-        torch._foreach_copy_([d["exp_avg"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)], views["m_store"])
-        torch._foreach_copy_([d["exp_avg_sq"][a : a + k] for d, (_, a, k, _) in zip(st_srcs, segs)], views["v_store"])
-        torch._foreach_copy_([d["exp_avg_scale"][b0:b1] for d, (b0, b1) in zip(st_srcs, bl)], views["m_scale"])
-        torch._foreach_copy_([d["exp_avg_sq_scale"][b0:b1] for d, (b0, b1) in zip(st_srcs, bl)], views["v_scale"])
-
+        keys = _STATE_KEYS if fmt == "8bit" else _STATE_KEYS[:2]
+        for key in keys:
+            torch._foreach_copy_(io[key], io[key + "_buf"])
