@@ -76,6 +76,8 @@ _STATE_DTYPES = {
         "exp_avg_sq_scale": torch.bfloat16,
     },
 }
+
+
 def _copy_from_host_(dst: torch.Tensor, values) -> None:
     """Copy host values into ``dst`` without waiting for the device."""
     if dst.device.type == "cpu":

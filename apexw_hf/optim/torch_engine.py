@@ -87,7 +87,7 @@ class _Buffers:
         self.n = n
         self.cpu = scratch.device.type == "cpu"
         if self.cpu:
-            self.np = {name: getattr(self, name).numpy() for name in ("v", "a", "y", "lo")}
+            self.np = {name: getattr(self, name).numpy() for name in ("v", "a")}
         self._scratch = scratch
         self._typed = {}
 
@@ -213,14 +213,10 @@ def _encode(b: _Buffers, c: _Consts, x: torch.Tensor, blocks: int, codes_out, sc
     inv = torch.reciprocal(scale_out.float()).nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
     yb.mul_(inv[:, None]).clamp_(max=c.one)
     # lo: floor(root(y) * just under n) is lo or lo - 1; clamped to n - 2 it stays <= n - 1 after the correction.
-    if b.cpu:
-        np.sqrt(b.np["y"], out=b.np["lo"])
-        if is_v:
-            np.sqrt(b.np["lo"], out=b.np["lo"])
-    else:
-        torch.sqrt(y, out=lo)
-        if is_v:
-            lo.sqrt_()
+    # torch.sqrt (within an ulp, and threaded, unlike NumPy's) is exact enough for a guess
+    torch.sqrt(y, out=lo)
+    if is_v:
+        lo.sqrt_()
     inv_n = c.inv255 if is_v else c.inv127
     lo.mul_(c.below255 if is_v else c.below127).floor_().clamp_(max=c.max_guess_v if is_v else c.max_guess_m)
     _decode_abs_(torch.add(lo, c.one, out=q1), inv_n, is_v)
@@ -457,7 +453,9 @@ class TorchEngine:
         ).unbind()
         mixed = rnd.mix32(t)
         stochastic_p = layout.dtype != torch.float32 and rounding == "stochastic"
-        keys_mv = [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
+        keys_mv = (
+            [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
+        )
         keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if stochastic_p else None
         for ch in layout.chunks:
             _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)

@@ -218,7 +218,12 @@ def test_mixed_param_and_grad_dtypes(small_chunks):
 def test_non_contiguous_param_and_grad(small_chunks, fmt):
     base = torch.randn(40, 70)
     pa = [torch.nn.Parameter(base.clone().t()), torch.nn.Parameter(torch.randn(300))]
-    pb = [torch.nn.Parameter(p.detach().clone().t().contiguous().t()) if i == 0 else torch.nn.Parameter(p.detach().clone()) for i, p in enumerate(pa)]
+    pb = [
+        torch.nn.Parameter(p.detach().clone().t().contiguous().t())
+        if i == 0
+        else torch.nn.Parameter(p.detach().clone())
+        for i, p in enumerate(pa)
+    ]
     assert not pa[0].is_contiguous() and not pb[0].is_contiguous()
     opt_a, opt_b = (ApexW(ps, state_format=fmt, engine="torch") for ps in (pa, pb))
     gen = torch.Generator().manual_seed(5)
