@@ -1,7 +1,8 @@
 """Plain-PyTorch reference of every ApexW numeric: the AdamW update, bf16/fp16 rounding, 8-bit block quantization.
 
-This module is the specification. The Triton kernels (``apexw_hf.kernels``) compute exactly the same bits, and the
-tests compare the two with ``torch.equal``. It is also the path ApexW takes on the CPU, so it ships with the package.
+This module is the specification, written per tensor to be read. The Triton kernels (``apexw_hf.kernels``) and the
+plain-PyTorch engine that ApexW runs on the CPU (``apexw_hf.optim.torch_engine``, a param group at a time) compute
+exactly the same bits, and the tests compare them with it bit for bit. It ships with the package as their oracle.
 
 To be bit-reproducible across CPU, CUDA and the Triton interpreter, the math uses only operations that IEEE 754
 rounds exactly once (``+ - * /`` and ``sqrt`` on fp32, never fused multiply-add), hyperparameters are rounded to

@@ -56,7 +56,8 @@ class ApexW(torch.optim.Optimizer):
         param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how the fp32 update is rounded into bf16/fp16
             parameters (fp32 parameters are not rounded).
         engine: ``"auto"`` (Triton kernels for CUDA parameters, plain PyTorch otherwise), ``"triton"`` (always the
-            kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch path).
+            kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch engine,
+            :mod:`apexw_hf.optim.torch_engine`: a param group in cache-sized chunks, the same bits as the kernels).
 
     Example:
         >>> import torch
