@@ -1,10 +1,11 @@
 """Optimizer-step benchmark on the CPU: ApexW's plain-PyTorch engine against torch.optim.AdamW (foreach, for-loop).
 
 Optimizer step only, fp32 parameters: gradients are random and fixed across steps; each step is timed with
-``time.perf_counter`` after warm-up, and the median of ``--steps`` steps is reported (with the interquartile range,
-because the machine may be shared). All optimizers of a workload run in the same process, one after the other, so
-ratios are comparable. ``--reference`` adds the per-tensor ``reference.adamw_step_ref_`` loop (the CPU path before
-the engine) for comparison; it is slow, so it gets fewer steps.
+``time.perf_counter`` after warm-up. All optimizers of a workload run in the same process, in ``--rounds`` interleaved
+rounds of ``--steps`` steps each; the table shows, per optimizer, the lowest of its round medians (a shared machine
+slows some rounds down; every round median is stored). ``--reference`` adds the per-tensor
+``reference.adamw_step_ref_`` loop (the CPU path before the engine) for comparison; it is slow, so it gets a sixth of
+the steps.
 
 Results (CPU, thread count, versions, git commit, date) go to ``docs/results/cpu_step/cpu_step_<date>_<commit>.json``
 with a short ``.md`` table beside it.
@@ -95,18 +96,31 @@ def _candidates(with_reference: bool):
     return out
 
 
-def _time(make, shapes, dtype, steps, warmup):
-    ps = _params(shapes, dtype)
-    opt = make(ps)
-    for _ in range(warmup):
-        opt.step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        opt.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    q = statistics.quantiles(times, n=4)
-    return {"median_ms": statistics.median(times), "q1_ms": q[0], "q3_ms": q[2], "steps": steps}
+def _time_workload(candidates, shapes, dtype, steps, warmup, rounds):
+    """Median ms per step of each candidate, in ``rounds`` interleaved rounds (each candidate keeps its optimizer)."""
+    opts = {}
+    for name, make in candidates.items():
+        opts[name] = make(_params(shapes, dtype))
+        for _ in range(1 if "reference" in name else warmup):
+            opts[name].step()
+    per_round = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            n = max(5, steps // 6) if "reference" in name else steps
+            times = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                opt.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+            per_round[name].append(statistics.median(times))
+    return {
+        name: {
+            "median_ms": min(r),
+            "round_medians_ms": r,
+            "steps_per_round": max(5, steps // 6) if "reference" in name else steps,
+        }
+        for name, r in per_round.items()
+    }
 
 
 def _cpu_info():
@@ -131,6 +145,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=60, help="timed steps per optimizer (default 60)")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="interleaved rounds; the table shows each optimizer's best round median"
+    )
     ap.add_argument("--reference", action="store_true", help="also time the old per-tensor reference path")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="parameter and gradient dtype")
     ap.add_argument("--no-store", action="store_true", help="print only, write no result files")
@@ -140,12 +157,11 @@ def main(argv=None):
     load_before = os.getloadavg()
     rows = []
     for wname, shapes in WORKLOADS.items():
-        for cname, make in _candidates(args.reference).items():
-            slow = "reference" in cname
-            steps = max(5, args.steps // 6) if slow else args.steps
-            r = _time(make, shapes, dtype, steps, 1 if slow else args.warmup)
+        timed = _time_workload(_candidates(args.reference), shapes, dtype, args.steps, args.warmup, args.rounds)
+        for cname, r in timed.items():
             rows.append({"workload": wname, "optimizer": cname, **r})
-            print(f"{wname:>14}  {cname:<38} {r['median_ms']:8.2f} ms  (IQR {r['q1_ms']:.2f}-{r['q3_ms']:.2f})")
+            rounds = ", ".join(f"{x:.2f}" for x in r["round_medians_ms"])
+            print(f"{wname:>14}  {cname:<38} {r['median_ms']:8.2f} ms  (round medians {rounds})", flush=True)
     commit, dirty = source_commit()
     now = datetime.datetime.now(datetime.timezone.utc)
     result = {
@@ -159,6 +175,8 @@ def main(argv=None):
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "numpy": _numpy_version()},
         "cpu": _cpu_info(),
         "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "rounds": args.rounds,
         "note": args.note,
         "rows": rows,
     }
@@ -190,7 +208,8 @@ def _markdown(result) -> str:
         f"{result['cpu']['model']}, {result['cpu']['torch_threads']} torch threads, "
         f"torch {result['versions']['torch']}; "
         f"load average before the run {', '.join(f'{x:.2f}' for x in result['load_average_before'])}. "
-        "Median ms per step. Generated by scripts/bench_cpu_step.py.",
+        f"ms per step: the best of {result['rounds']} interleaved round medians. "
+        "Generated by scripts/bench_cpu_step.py.",
         "",
         "| workload | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),

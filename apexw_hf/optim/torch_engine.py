@@ -48,7 +48,7 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 
-CHUNK = 1 << 18  # elements per chunk (512 KiB per fp32 buffer)
+CHUNK = 1 << 17  # elements per chunk: 512 KiB per fp32 buffer, about 10 MiB of scratch in all
 _BLOCK = ref.BLOCK
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 # An approximate root times just under 127 (255) floors to the right code or the one below (kernels._quant).
