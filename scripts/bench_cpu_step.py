@@ -150,10 +150,13 @@ def main(argv=None):
     )
     ap.add_argument("--reference", action="store_true", help="also time the old per-tensor reference path")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="parameter and gradient dtype")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     ap.add_argument("--no-store", action="store_true", help="print only, write no result files")
     ap.add_argument("--note", default="", help="free text stored with the result (e.g. how busy the machine was)")
     args = ap.parse_args(argv)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     rows = []
     for wname, shapes in WORKLOADS.items():
@@ -186,7 +189,8 @@ def main(argv=None):
     if not args.no_store:
         out_dir = ROOT / "docs" / "results" / "cpu_step"
         out_dir.mkdir(parents=True, exist_ok=True)
-        stem = f"cpu_step_{now:%Y-%m-%dT%H%M}_{(commit or 'nocommit')[:7]}" + ("_bf16" if args.dtype == "bf16" else "")
+        stem = f"cpu_step_{now:%Y-%m-%dT%H%M}_{(commit or 'nocommit')[:7]}_{torch.get_num_threads()}t"
+        stem += "_bf16" if args.dtype == "bf16" else ""
         (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
         (out_dir / f"{stem}.md").write_text(md)
         print(f"wrote {out_dir / stem}.json and .md")
