@@ -18,7 +18,7 @@ computes the same bits with the work laid out for a CPU:
   wrapping multiplies and masked shifts (exact mod 2**32). The per-tensor keys come from :mod:`apexw_hf._random` on
   the host once per step and are spread over a packed chunk with one ``cumsum``.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
-  CPU may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
+  CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
 * The 8-bit code search is an approximate root and one comparison with the next code's decoded value (the kernels'
   method, ``kernels._quant.lower_code``), which picks exactly the code of the reference's table search.
 * The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale) do not handle NaN; where a
@@ -87,7 +87,7 @@ class _Buffers:
         self.n = n
         self.cpu = scratch.device.type == "cpu"
         if self.cpu:
-            self.np = {name: getattr(self, name).numpy() for name in ("v", "a")}
+            self.np = {name: getattr(self, name).numpy() for name in ("v", "a", "y", "lo")}
         self._scratch = scratch
         self._typed = {}
 
@@ -188,51 +188,64 @@ def _bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: _C
     torch.bitwise_right_shift(t, c.s16, out=out.view(torch.int16))  # int32 -> int16 keeps the low 16 bits
 
 
-def _decode_abs_(x: torch.Tensor, inv_n: torch.Tensor, q4: bool) -> torch.Tensor:
-    """In place ``reference._q2`` / ``_q4`` of float codes: ``t = c * (1/n); t * t`` (``q4``: squared again)."""
-    x.mul_(inv_n)
-    x.mul_(x)
+def _square_(t: torch.Tensor, q4: bool) -> torch.Tensor:
+    """In place ``t * t`` (``q4``: squared again): with ``t = c * (1/n)`` this is ``reference._q2`` / ``_q4``."""
+    t.mul_(t)
     if q4:
-        x.mul_(x)
-    return x
+        t.mul_(t)
+    return t
 
 
-def _encode(b: _Buffers, c: _Consts, x: torch.Tensor, blocks: int, codes_out, scale_out, is_v: bool) -> None:
-    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` (finite) into ``codes_out`` (int8 / uint8)
-    and ``scale_out`` (bf16 per block), with the random halves in ``b.rm`` / ``b.rv``."""
-    y, lo, q0, q1, u = b.y, b.lo, b.q0, b.q1, b.u
+def _encode(b: _Buffers, c: _Consts, x: torch.Tensor, blocks: int, codes_out, scale_out, is_v: bool) -> bool:
+    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` into ``codes_out`` (int8 / uint8) and
+    ``scale_out`` (bf16 per block), with the random halves in ``b.rm`` / ``b.rv``.
+
+    Returns False, having written nothing, if a block holds a NaN or an infinity (the caller then uses the
+    reference). ``v`` is normalized in place (it is not needed afterwards); ``b.a`` must be free.
+    """
+    lo, q0, q1, u = b.lo, b.q0, b.q1, b.u
     if is_v:
-        y.copy_(x)
+        y, y_np = x, x.numpy() if b.cpu else None
     else:
-        torch.abs(x, out=y)
+        y, y_np = torch.abs(x, out=b.y), b.np["y"] if b.cpu else None
     yb = y.view(blocks, _BLOCK)
-    # The block scale: the absmax rounded up to bf16 on its bits (finite, so no NaN case), and 1/scale or 0.
     amax = yb.amax(dim=1)
+    if not math.isfinite(float(amax.sum())):
+        return False
+    if is_v:
+        torch.gt(x, c.zero, out=b.a)  # where v is nonzero, before v is overwritten
+    # The block scale: the absmax rounded up to bf16 on its bits (finite, so no NaN case), and 1/scale or 0.
     up = torch.add(amax.view(torch.int32), c.bf16_up)
     torch.bitwise_right_shift(up, c.s16, out=scale_out.view(torch.int16))
     inv = torch.reciprocal(scale_out.float()).nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
     yb.mul_(inv[:, None]).clamp_(max=c.one)
     # lo: floor(root(y) * just under n) is lo or lo - 1; clamped to n - 2 it stays <= n - 1 after the correction.
-    # torch.sqrt (within an ulp, and threaded, unlike NumPy's) is exact enough for a guess
-    torch.sqrt(y, out=lo)
-    if is_v:
-        lo.sqrt_()
+    # NumPy's root is the IEEE instruction, faster than torch's (a polynomial on the CPU) even on one thread.
+    if b.cpu:
+        np.sqrt(y_np, out=b.np["lo"])
+        if is_v:
+            np.sqrt(b.np["lo"], out=b.np["lo"])
+    else:
+        torch.sqrt(y, out=lo)
+        if is_v:
+            lo.sqrt_()
     inv_n = c.inv255 if is_v else c.inv127
     lo.mul_(c.below255 if is_v else c.below127).floor_().clamp_(max=c.max_guess_v if is_v else c.max_guess_m)
-    _decode_abs_(torch.add(lo, c.one, out=q1), inv_n, is_v)
+    _square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
     lo.add_(torch.ge(y, q1, out=u))
-    _decode_abs_(q0.copy_(lo), inv_n, is_v)
-    _decode_abs_(torch.add(lo, c.one, out=q1), inv_n, is_v)
+    _square_(torch.mul(lo, inv_n, out=q0), is_v)
+    _square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
     # reference._stochastic_code: lo + (u * (q(lo+1) - q(lo)) < y - q(lo)), u = rand * 2**-16
     q1.sub_(q0)
     torch.sub(y, q0, out=q0)
     u.copy_(b.rv if is_v else b.rm).mul_(c.two_m16).mul_(q1)
     lo.add_(torch.lt(u, q0, out=u))
     if is_v:
-        torch.maximum(lo, torch.gt(x, c.zero, out=u), out=lo)  # a nonzero v never gets code 0
+        torch.maximum(lo, b.a, out=lo)  # a nonzero v never gets code 0
     else:
         torch.copysign(lo, x, out=lo)  # -c where m < 0; where m is -0 the code is 0 either way
     codes_out.copy_(lo)
+    return True
 
 
 # ---- plans ------------------------------------------------------------------------------------------------------
@@ -514,7 +527,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
         # dequantize; t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are symmetric in sign)
         M.copy_(m_state).mul_(c.inv127)
         M.mul_(torch.abs(M, out=A)).view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
-        _decode_abs_(V.copy_(v_state), c.inv255, True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+        _square_(V.copy_(v_state).mul_(c.inv255), True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
     if b.cpu and V is b.v:
         v_np = b.np["v"]
     # ---- the update, in the reference's operation order -------------------------------------------------------
@@ -561,9 +574,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
             _bf16_stochastic(V, b.rv, b.t, c, v_out)
     else:
         for x, codes, scale, is_v in ((M, m_state, m_scale, False), (V, v_state, v_scale, True)):
-            if math.isfinite(float(x.sum())):  # no NaN or infinity: the bf16 scale on its bits is exact
-                _encode(b, c, x, blocks, codes, scale, is_v)
-            else:
+            if not _encode(b, c, x, blocks, codes, scale, is_v):
                 qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, _full_bits(b))
                 codes.copy_(qc)
                 scale.copy_(qs)
