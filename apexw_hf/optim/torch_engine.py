@@ -40,6 +40,7 @@ Interface with the optimizer (as :class:`~apexw_hf.optim.engine.TritonEngine`)::
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 import torch
@@ -357,15 +358,65 @@ class _Layout:
         for key, name, dtype in zip(_STATE_KEYS[:2], moments, mdt):
             io[key] = [piece(st[s[0]][key], s) for s in ch.segs]
             io[key + "_buf"] = slices(getattr(b, name) if dtype is None else b.typed(name, dtype))
-        if fmt == "compact":
-            io["m_f32"], io["v_f32"] = slices(b.m), slices(b.v)
         if fmt == "8bit":
             for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
                 io[key] = [piece(st[s[0]][key], s, scale=True) for s in ch.segs]
                 io[key + "_buf"] = slices(scratch.typed(name, torch.bfloat16), scale=True)
-            io["pads_in"] = [x[o : o + k] for x in (b.g, b.p) for o, k in ch.pads]
+        # Same-dtype gathers are one torch.cat of flat pieces (with zeros for the 8-bit padding): cheaper per tensor
+        # than _foreach_copy_, which converts dtypes (bf16 parameters, compact moments) and handles the gradients.
+        pad_at = dict(ch.pads)
+
+        def cat_list(pieces, dtype):
+            out = []
+            for seg, t in zip(ch.segs, pieces):
+                out.append(t.reshape(-1))
+                pad = pad_at.get(seg[3] + seg[2])
+                if pad:
+                    out.append(torch.zeros(pad, dtype=dtype, device=t.device))
+            return out
+
+        gather, pads_in = [], [b.g[o : o + k] for o, k in ch.pads]
+        if self.dtype == torch.float32:
+            gather.append(("cat", b.p, cat_list(io["p_src"], torch.float32)))
+        else:
+            gather.append(("copy", io["p_in"], io["p_src"]))
+            pads_in += [b.p[o : o + k] for o, k in ch.pads]
+        if fmt == "fp32":
+            gather += [("cat", b.m, cat_list(io["exp_avg"], None)), ("cat", b.v, cat_list(io["exp_avg_sq"], None))]
+        elif fmt == "compact":
+            gather += [("copy", slices(b.m), io["exp_avg"]), ("copy", slices(b.v), io["exp_avg_sq"])]
+        else:
+            for key, dtype in zip(_STATE_KEYS[:2], mdt):
+                gather.append(("cat", b.typed(moments[_STATE_KEYS.index(key)], dtype), cat_list(io[key], dtype)))
+            nb = ch.length // _BLOCK
+            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
+                gather.append(("cat", scratch.typed(name, torch.bfloat16)[:nb], [t.reshape(-1) for t in io[key]]))
             io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
+        io["gather"], io["pads_in"] = gather, pads_in
         return io
+
+
+class _GroupPlan:
+    """The layouts of the stepping params of one param group, and their step counters.
+
+    ``state["step"]`` of each of those params becomes a 0-dim view of one CPU fp32 buffer (values kept; still a plain
+    0-dim fp32 tensor for ``state_dict``), so one in-place add increments them all while the same params step.
+    """
+
+    def __init__(self, opt, group, params, states, steps, scratch):
+        self.fmt, self.seed = group["state_format"], group["seed"]
+        self.steps = torch.tensor(steps, dtype=torch.float32)
+        self.step_views = list(self.steps.unbind())
+        for s, view in zip(states, self.step_views):
+            s["step"] = view
+        self.moments = [s.get("exp_avg") for s in states]
+        by_kind: dict[tuple, list[int]] = {}
+        for i, (p, t) in enumerate(zip(params, steps)):
+            by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
+        self.layouts = [
+            (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], scratch), idx)
+            for idx in by_kind.values()
+        ]
 
 
 class TorchEngine:
@@ -373,7 +424,7 @@ class TorchEngine:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self._layouts: dict[int, tuple] = {}
+        self._layouts: dict[int, _GroupPlan] = {}
         self._scratch: dict = {}
 
     def invalidate(self) -> None:
@@ -404,26 +455,23 @@ class TorchEngine:
                 )
         states = [opt._init_state(p, group) for p in params]
         step_tensors = [s["step"] for s in states]
-        torch._foreach_add_(step_tensors, 1.0)
-        steps = [int(t) for t in torch.stack(step_tensors).tolist()]
-        key = (
-            group["state_format"],
-            group["seed"],
-            tuple(map(id, params)),
-            tuple(t - steps[0] for t in steps),
-            tuple(id(s.get("exp_avg")) for s in states),
-        )
         cached = self._layouts.get(id(group))
-        if cached is None or cached[0] != key:
-            by_kind: dict[tuple, list[int]] = {}
-            for i, (p, t) in enumerate(zip(params, steps)):
-                by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
-            sc = self._scratch_for(dt.local(params[0]).device)
-            layouts = [
-                (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], sc), idx)
-                for idx in by_kind.values()
-            ]
-            cached = (key, layouts)
+        if (
+            cached is not None
+            and cached.fmt == group["state_format"]
+            and cached.seed == group["seed"]
+            and len(step_tensors) == len(cached.step_views)
+            and all(map(operator.is_, step_tensors, cached.step_views))
+            and all(map(operator.is_, (s.get("exp_avg") for s in states), cached.moments))
+        ):
+            # The same params step again, with the same state: their step counters are views of one buffer.
+            cached.steps.add_(1.0)
+            steps = [int(t) for t in cached.steps.tolist()]
+        else:
+            for t in step_tensors:
+                t.add_(1.0)
+            steps = [int(t.item()) for t in step_tensors]
+            cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
             self._layouts[id(group)] = cached
         lr = group["lr"]
         hp = dict(
@@ -433,7 +481,7 @@ class TorchEngine:
             eps=float(group["eps"]),
             weight_decay=float(group["weight_decay"]),
         )
-        for layout, idx in cached[1]:
+        for layout, idx in cached.layouts:
             t = steps[idx[0]]
             self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
 
@@ -506,18 +554,14 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
     else:
         srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
         torch._foreach_copy_(io["g_dst"], srcs)
-        torch._foreach_copy_(io["p_in"], io["p_src"])
-        if ch.pads:
+        for kind, dst, src in io["gather"]:
+            if kind == "cat":
+                torch.cat(src, out=dst)
+            else:
+                torch._foreach_copy_(dst, src)
+        if io["pads_in"]:
             torch._foreach_zero_(io["pads_in"])
-        if fmt == "fp32":
-            torch._foreach_copy_(io["exp_avg_buf"], io["exp_avg"])
-            torch._foreach_copy_(io["exp_avg_sq_buf"], io["exp_avg_sq"])
-        elif fmt == "compact":
-            torch._foreach_copy_(io["m_f32"], io["exp_avg"])
-            torch._foreach_copy_(io["v_f32"], io["exp_avg_sq"])
-        else:
-            for key in _STATE_KEYS:
-                torch._foreach_copy_(io[key + "_buf"], io[key])
+        if fmt == "8bit":
             m_state, v_state = b.typed("m_store", torch.int8), b.typed("v_store", torch.uint8)
             m_scale = sc.typed("m_scale", torch.bfloat16)[:blocks]
             v_scale = sc.typed("v_scale", torch.bfloat16)[:blocks]
