@@ -26,7 +26,9 @@ computes the same bits with the work laid out for a CPU:
   parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is rare and poisons the
   run anyway). fp16 parameters with stochastic rounding always use ``reference.round_param``.
 
-Tensors that are not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
+The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
+moves the data. Tensors that are not contiguous (a parameter or a state tensor) are stepped by
+``reference.adamw_step_ref_`` itself.
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
@@ -42,213 +44,16 @@ from __future__ import annotations
 import math
 import operator
 
-import numpy as np
 import torch
 
 from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
+from .torch_passes import Scratch, bf16_stochastic, encode, full_bits, hash_into, sqrt_into, square_
 
 CHUNK = 1 << 17  # elements per chunk: 512 KiB per fp32 buffer, about 10 MiB of scratch in all
 _BLOCK = ref.BLOCK
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
-# An approximate root times just under 127 (255) floors to the right code or the one below (kernels._quant).
-_BELOW127 = 127.0 * (1.0 - 2.0**-16)
-_BELOW255 = 255.0 * (1.0 - 2.0**-16)
-
-
-class _Consts:
-    """0-dim tensors of the constants, on one device."""
-
-    def __init__(self, device):
-        def f(x):
-            return torch.tensor(x, dtype=torch.float32, device=device)
-
-        def i(x):
-            return torch.tensor(rnd.to_int32(x), dtype=torch.int32, device=device)
-
-        self.one, self.zero, self.two_m16 = f(1.0), f(0.0), f(ref.TWO_POW_M16)
-        self.inv127, self.inv255 = f(ref.INV127), f(ref.INV255)
-        self.below127, self.below255 = f(_BELOW127), f(_BELOW255)
-        self.max_guess_m, self.max_guess_v = f(125.0), f(253.0)
-        self.mix1, self.mix2 = i(rnd.MIX1), i(rnd.MIX2)
-        self.s13, self.s16, self.low16, self.low19, self.bf16_up = i(13), i(16), i(0xFFFF), i(0x7FFFF), i(0xFFFF)
-
-
-class _Buffers:
-    """The first ``n`` elements of every scratch buffer (cached per ``n``), with NumPy views where a root is taken."""
-
-    F32 = ("g", "m", "v", "a", "p", "y", "lo", "q0", "q1", "u")
-    I32 = ("h", "t", "k", "rm", "rv")
-
-    def __init__(self, scratch, n):
-        for name in self.F32 + self.I32:
-            setattr(self, name, getattr(scratch, name)[:n])
-        self.base = scratch.base[:n]
-        self.n = n
-        self.cpu = scratch.device.type == "cpu"
-        if self.cpu:
-            self.np = {name: getattr(self, name).numpy() for name in ("v", "a", "y", "lo")}
-        self._scratch = scratch
-        self._typed = {}
-
-    def typed(self, name, dtype):
-        key = (name, dtype)
-        buf = self._typed.get(key)
-        if buf is None:
-            buf = self._typed[key] = self._scratch.typed(name, dtype)[: self.n]
-        return buf
-
-
-class _Scratch:
-    """Preallocated chunk buffers of one device: fp32, int32, and storage dtypes on demand."""
-
-    def __init__(self, device):
-        self.device = device
-        for name in _Buffers.F32:
-            setattr(self, name, torch.empty(CHUNK, dtype=torch.float32, device=device))
-        for name in _Buffers.I32:
-            setattr(self, name, torch.empty(CHUNK, dtype=torch.int32, device=device))
-        # index * GOLDEN mod 2**32 (int64 -> int32 keeps the low 32 bits)
-        self.base = (torch.arange(CHUNK, dtype=torch.int64, device=device) * rnd.GOLDEN).to(torch.int32)
-        self.c = _Consts(device)
-        self._typed = {}
-        self._views = {}
-
-    def typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._typed.get((name, dtype))
-        if buf is None:
-            buf = self._typed[(name, dtype)] = torch.empty(CHUNK, dtype=dtype, device=self.device)
-        return buf
-
-    def upto(self, n: int) -> _Buffers:
-        b = self._views.get(n)
-        if b is None:
-            b = self._views[n] = _Buffers(self, n)
-        return b
-
-
-# ---- elementwise building blocks (all in place or into scratch) ------------------------------------------------
-
-
-def _sqrt_into(b: _Buffers, x: torch.Tensor, x_np, out: torch.Tensor, out_np) -> None:
-    """Correctly rounded fp32 ``sqrt(x)`` into ``out`` (the IEEE instruction through NumPy on the CPU)."""
-    if b.cpu:
-        np.sqrt(x_np if x_np is not None else x.numpy(), out=out_np)
-    else:
-        out.copy_(ref.sqrt_rn(x))
-
-
-def _hash(b: _Buffers, c: _Consts, segs, keys) -> None:
-    """``reference.hash_uniform_bits`` of every element into ``b.h``, and its two 16-bit halves as the moments use
-    them: ``b.rm`` = top 16 bits (rounds m), ``b.rv`` = low 16 bits (rounds v), int32 in [0, 2**16).
-
-    Element ``j`` of a tensor piece starting at element ``a`` and at chunk offset ``o`` gets
-    ``mix32((a + j) * GOLDEN + key) = mix32((o + j) * GOLDEN + d)`` with ``d = key + (a - o) * GOLDEN``: the chunk's
-    ``index * GOLDEN`` plus a constant per piece, spread with one cumsum. ``b.h`` is left without mix32's last
-    xor-shift, which changes only the low half (folded into ``b.rv``); :func:`_full_bits` completes it.
-    """
-    h, t = b.h, b.t
-    if len(segs) == 1:
-        _, a, _, o = segs[0][:4]
-        torch.add(b.base, rnd.to_int32(keys[0] + (a - o) * rnd.GOLDEN), out=h)
-    else:
-        k = b.k
-        k.zero_()
-        offs, deltas, prev = [], [], 0
-        for seg, key in zip(segs, keys):
-            _, a, _, o = seg[:4]
-            d = (key + (a - o) * rnd.GOLDEN) & rnd.MASK32
-            offs.append(o)
-            deltas.append(rnd.to_int32(d - prev))
-            prev = d
-        k[offs] = torch.tensor(deltas, dtype=torch.int32, device=k.device)
-        torch.cumsum(k, 0, dtype=torch.int32, out=t)  # accumulates in int64, stores mod 2**32
-        torch.add(b.base, t, out=h)
-    # murmur3 fmix32; int32 multiplies wrap (the product mod 2**32), right shifts of int32 are arithmetic: masked
-    torch.bitwise_right_shift(h, c.s16, out=t)
-    h.bitwise_xor_(t.bitwise_and_(c.low16))
-    h.mul_(c.mix1)
-    torch.bitwise_right_shift(h, c.s13, out=t)
-    h.bitwise_xor_(t.bitwise_and_(c.low19))
-    h.mul_(c.mix2)
-    torch.bitwise_right_shift(h, c.s16, out=t)
-    torch.bitwise_and(t, c.low16, out=b.rm)
-    torch.bitwise_xor(h, t, out=b.rv).bitwise_and_(c.low16)
-
-
-def _full_bits(b: _Buffers) -> torch.Tensor:
-    """The complete random words of :func:`_hash` as the reference's int64 values in [0, 2**32)."""
-    x = b.h.to(torch.int64) & rnd.MASK32
-    return x ^ (x >> 16)
-
-
-def _bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: _Consts, out: torch.Tensor) -> None:
-    """``reference.round_to_bf16_stochastic`` of non-NaN ``x``: the top 16 bits of (bits of x + 16 random bits)."""
-    torch.add(x.view(torch.int32), rand, out=t)
-    torch.bitwise_right_shift(t, c.s16, out=out.view(torch.int16))  # int32 -> int16 keeps the low 16 bits
-
-
-def _square_(t: torch.Tensor, q4: bool) -> torch.Tensor:
-    """In place ``t * t`` (``q4``: squared again): with ``t = c * (1/n)`` this is ``reference._q2`` / ``_q4``."""
-    t.mul_(t)
-    if q4:
-        t.mul_(t)
-    return t
-
-
-def _encode(b: _Buffers, c: _Consts, x: torch.Tensor, blocks: int, codes_out, scale_out, is_v: bool) -> bool:
-    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` into ``codes_out`` (int8 / uint8) and
-    ``scale_out`` (bf16 per block), with the random halves in ``b.rm`` / ``b.rv``.
-
-    Returns False, having written nothing, if a block holds a NaN or an infinity (the caller then uses the
-    reference). ``v`` is normalized in place (it is not needed afterwards); ``b.a`` must be free.
-    """
-    lo, q0, q1, u = b.lo, b.q0, b.q1, b.u
-    if is_v:
-        y, y_np = x, x.numpy() if b.cpu else None
-    else:
-        y, y_np = torch.abs(x, out=b.y), b.np["y"] if b.cpu else None
-    yb = y.view(blocks, _BLOCK)
-    amax = yb.amax(dim=1)
-    if not math.isfinite(float(amax.sum())):
-        return False
-    if is_v:
-        torch.gt(x, c.zero, out=b.a)  # where v is nonzero, before v is overwritten
-    # The block scale: the absmax rounded up to bf16 on its bits (finite, so no NaN case), and 1/scale or 0.
-    up = torch.add(amax.view(torch.int32), c.bf16_up)
-    torch.bitwise_right_shift(up, c.s16, out=scale_out.view(torch.int16))
-    inv = torch.reciprocal(scale_out.float()).nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
-    yb.mul_(inv[:, None]).clamp_(max=c.one)
-    # lo: floor(root(y) * just under n) is lo or lo - 1; clamped to n - 2 it stays <= n - 1 after the correction.
-    # NumPy's root is the IEEE instruction, faster than torch's (a polynomial on the CPU) even on one thread.
-    if b.cpu:
-        np.sqrt(y_np, out=b.np["lo"])
-        if is_v:
-            np.sqrt(b.np["lo"], out=b.np["lo"])
-    else:
-        torch.sqrt(y, out=lo)
-        if is_v:
-            lo.sqrt_()
-    inv_n = c.inv255 if is_v else c.inv127
-    lo.mul_(c.below255 if is_v else c.below127).floor_().clamp_(max=c.max_guess_v if is_v else c.max_guess_m)
-    _square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
-    lo.add_(torch.ge(y, q1, out=u))
-    _square_(torch.mul(lo, inv_n, out=q0), is_v)
-    _square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
-    # reference._stochastic_code: lo + (u * (q(lo+1) - q(lo)) < y - q(lo)), u = rand * 2**-16
-    q1.sub_(q0)
-    torch.sub(y, q0, out=q0)
-    u.copy_(b.rv if is_v else b.rm).mul_(c.two_m16).mul_(q1)
-    lo.add_(torch.lt(u, q0, out=u))
-    if is_v:
-        torch.maximum(lo, b.a, out=lo)  # a nonzero v never gets code 0
-    else:
-        torch.copysign(lo, x, out=lo)  # -c where m < 0; where m is -0 the code is 0 either way
-    codes_out.copy_(lo)
-    return True
-
-
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
@@ -300,7 +105,7 @@ def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
 class _Layout:
     """Chunks of the members of one param group that share a parameter dtype and a step count."""
 
-    def __init__(self, opt, group, members, states, scratch: _Scratch):
+    def __init__(self, opt, group, members, states, scratch: Scratch):
         self.members = members
         self.fmt = group["state_format"]
         self.dtype = members[0].dtype
@@ -316,7 +121,7 @@ class _Layout:
         for ch in self.chunks:
             ch.io = self._bind(ch, scratch)
 
-    def _bind(self, ch: _Chunk, scratch: _Scratch) -> dict:
+    def _bind(self, ch: _Chunk, scratch: Scratch) -> dict:
         """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
         packed chunk, flat views for an in-place chunk."""
         fmt = self.fmt
@@ -431,10 +236,10 @@ class TorchEngine:
         """Forget the cached chunk plans (state tensors were replaced)."""
         self._layouts.clear()
 
-    def _scratch_for(self, device) -> _Scratch:
+    def _scratch_for(self, device) -> Scratch:
         sc = self._scratch.get(device)
         if sc is None:
-            sc = self._scratch[device] = _Scratch(device)
+            sc = self._scratch[device] = Scratch(device, CHUNK)
         return sc
 
     def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
@@ -522,7 +327,7 @@ class TorchEngine:
             _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
 
 
-def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
+def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter."""
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay = k
     fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
@@ -571,7 +376,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
         # dequantize; t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are symmetric in sign)
         M.copy_(m_state).mul_(c.inv127)
         M.mul_(torch.abs(M, out=A)).view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
-        _square_(V.copy_(v_state).mul_(c.inv255), True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+        square_(V.copy_(v_state).mul_(c.inv255), True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
     if b.cpu and V is b.v:
         v_np = b.np["v"]
     # ---- the update, in the reference's operation order -------------------------------------------------------
@@ -580,7 +385,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
     V.mul_(beta2).add_(A)
     if ch.pads:
         torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
-    _sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
+    sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
     A.mul_(inv_bc2_sqrt).add_(eps)
     torch.div(M, A, out=A)
     moments_nan = fmt == "compact" and math.isnan(float(A.sum()))  # m or v has a NaN (or inf / inf)
@@ -590,11 +395,11 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
     if dtype != torch.float32:
         p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
         if stochastic_p:
-            _hash(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs])
+            hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs])
             if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
-                _bf16_stochastic(P, b.rm, b.t, c, p_out)
+                bf16_stochastic(P, b.rm, b.t, c, p_out)
             else:
-                p_out.copy_(ref.round_param(P, dtype, _full_bits(b)))
+                p_out.copy_(ref.round_param(P, dtype, full_bits(b)))
         else:
             p_out.copy_(P)
     if not ch.direct:
@@ -605,21 +410,21 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: _Scratch, grads, k, keys_mv, ke
             torch._foreach_copy_(io["exp_avg"], io["exp_avg_buf"])
             torch._foreach_copy_(io["exp_avg_sq"], io["exp_avg_sq_buf"])
         return
-    _hash(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs])
+    hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs])
     if fmt == "compact":
         m_out = m_state if ch.direct else b.typed("m_store", torch.bfloat16)
         v_out = v_state if ch.direct else b.typed("v_store", torch.bfloat16)
         if moments_nan:
-            bits = _full_bits(b)
+            bits = full_bits(b)
             m_out.copy_(ref.round_to_bf16_stochastic(M, bits))
             v_out.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
         else:
-            _bf16_stochastic(M, b.rm, b.t, c, m_out)
-            _bf16_stochastic(V, b.rv, b.t, c, v_out)
+            bf16_stochastic(M, b.rm, b.t, c, m_out)
+            bf16_stochastic(V, b.rv, b.t, c, v_out)
     else:
         for x, codes, scale, is_v in ((M, m_state, m_scale, False), (V, v_state, v_scale, True)):
-            if not _encode(b, c, x, blocks, codes, scale, is_v):
-                qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, _full_bits(b))
+            if not encode(b, c, x, blocks, codes, scale, is_v):
+                qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, full_bits(b))
                 codes.copy_(qc)
                 scale.copy_(qs)
     if not ch.direct:

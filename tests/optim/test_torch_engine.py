@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from apexw_hf import ApexW, reference
-from apexw_hf.optim import torch_engine
+from apexw_hf.optim import torch_engine, torch_passes
 
 from .helpers import FORMATS, SHAPES
 
@@ -290,21 +290,21 @@ def test_sqrt_is_correctly_rounded():
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(1 << 17, generator=gen) * torch.logspace(-45, 38, 1 << 17)
     x[:6] = torch.tensor([0.0, 1e-45, 2.0, 3.4e38, float("inf"), 1e-38])
-    b = torch_engine._Scratch(torch.device("cpu")).upto(x.numel())
+    b = torch_passes.Scratch(torch.device("cpu"), 1 << 17).upto(x.numel())
     b.v.copy_(x)
-    torch_engine._sqrt_into(b, b.v, b.np["v"], b.a, b.np["a"])
+    torch_passes.sqrt_into(b, b.v, b.np["v"], b.a, b.np["a"])
     assert torch.equal(b.a, reference.sqrt_rn(x))
 
 
 def test_hash_matches_reference_per_piece():
     """A packed chunk: pieces of tensors at various chunk offsets and tensor offsets, each with its own key."""
-    sc = torch_engine._Scratch(torch.device("cpu"))
+    sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
     segs = [(0, 0, 300, 0, True), (1, 4096, 1000, 512, False), (2, 0, 1, 1536, True), (3, 7, 2000, 1537, False)]
     keys = [reference.stream_key(s, i, 3, reference.STREAM_MV) for i, s in enumerate((0, 5, 2**32 - 1, 17))]
     n = 3537
     b = sc.upto(n)
-    torch_engine._hash(b, sc.c, segs, keys)
-    full = torch_engine._full_bits(b)
+    torch_passes.hash_into(b, sc.c, segs, keys)
+    full = torch_passes.full_bits(b)
     for (_, a, k, o, _), key in zip(segs, keys):
         want = reference.hash_uniform_bits(a + k, key, "cpu")[a:]
         assert torch.equal(full[o : o + k], want)
@@ -326,13 +326,13 @@ def test_8bit_codes_at_every_boundary(is_v):
     x = x.reshape(-1)
     if not is_v:
         x[1::2] = -x[1::2]
-    sc = torch_engine._Scratch(torch.device("cpu"))
+    sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
     b = sc.upto(x.numel())
-    torch_engine._hash(b, sc.c, [(0, 0, x.numel(), 0, True)], [12345])
+    torch_passes.hash_into(b, sc.c, [(0, 0, x.numel(), 0, True)], [12345])
     codes = torch.empty(x.numel(), dtype=torch.uint8 if is_v else torch.int8)
     scale = torch.empty(x.numel() // 256, dtype=torch.bfloat16)
-    want_codes, want_scale = (reference.quantize_v if is_v else reference.quantize_m)(x, torch_engine._full_bits(b))
-    assert torch_engine._encode(b, sc.c, x, x.numel() // 256, codes, scale, is_v)  # v is normalized in place
+    want_codes, want_scale = (reference.quantize_v if is_v else reference.quantize_m)(x, torch_passes.full_bits(b))
+    assert torch_passes.encode(b, sc.c, x, x.numel() // 256, codes, scale, is_v)  # v is normalized in place
     assert torch.equal(scale, want_scale)
     assert torch.equal(codes, want_codes)
 
