@@ -1,7 +1,8 @@
 """Plain-PyTorch reference of every ApexW numeric: the AdamW update, bf16/fp16 rounding, 8-bit block quantization.
 
-This module is the specification. The Triton kernels (``apexw_hf.kernels``) compute exactly the same bits, and the
-tests compare the two with ``torch.equal``. It is also the path ApexW takes on the CPU, so it ships with the package.
+This module is the specification, written per tensor to be read. The Triton kernels (``apexw_hf.kernels``) and the
+plain-PyTorch engine that ApexW runs on the CPU (``apexw_hf.optim.torch_engine``, a param group at a time) compute
+exactly the same bits, and the tests compare them with it bit for bit. It ships with the package as their oracle.
 
 To be bit-reproducible across CPU, CUDA and the Triton interpreter, the math uses only operations that IEEE 754
 rounds exactly once (``+ - * /`` and ``sqrt`` on fp32, never fused multiply-add), hyperparameters are rounded to
@@ -42,6 +43,10 @@ from dataclasses import dataclass
 
 import torch
 
+# The random streams are specified once, in _random (the kernels use the same module).
+from ._random import GOLDEN, MASK32, MIX1, MIX2, STREAM_MV, STREAM_P, stream_key
+from ._random import mix32 as _mix32  # noqa: F401  (the scalar form, kept here for the tests' oracle)
+
 __all__ = [
     "BLOCK",
     "STATE_FORMATS",
@@ -68,11 +73,6 @@ BLOCK = 256
 STATE_FORMATS = ("fp32", "compact", "8bit")
 PARAM_ROUNDINGS = ("stochastic", "nearest")
 
-MASK32 = 0xFFFFFFFF
-GOLDEN = 0x9E3779B1
-MIX1 = 0x85EBCA6B
-MIX2 = 0xC2B2AE35
-STREAM_MV, STREAM_P = 1, 3  # one stream for both moments; 2 (a separate v stream) is retired
 TWO_POW_M16 = 2.0**-16
 
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
@@ -136,24 +136,6 @@ class StepScalars:
 # ---------------------------------------------------------------------------------------------------------------
 # Counter-based random bits
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def _mix32(x: int) -> int:
-    """murmur3's 32-bit finalizer on a Python int (a bijection of [0, 2**32))."""
-    x &= MASK32
-    x ^= x >> 16
-    x = (x * MIX1) & MASK32
-    x ^= x >> 13
-    x = (x * MIX2) & MASK32
-    x ^= x >> 16
-    return x
-
-
-def stream_key(seed: int, tensor_index: int, step: int, stream: int) -> int:
-    """The 32-bit key of one random stream: one tensor, one step, one use (m, v or the parameter)."""
-    k = _mix32(seed + GOLDEN * (tensor_index + 1))
-    k = _mix32(k ^ _mix32(step))
-    return _mix32(k + stream * 0x632BE5AB)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -66,9 +66,9 @@ def patch_unsloth_cpu(module: types.ModuleType | None = None) -> bool:
         optim = getattr(args, "optim", None)
         if _optim_value(optim) not in APEXW_OPTIMIZERS:
             return original(args, *a, **kw)
-        # ApexW runs on the CPU (reference path); the rewrite is meant for bitsandbytes' GPU-only optimizers. Show
-        # Unsloth a name it leaves alone (so it neither rewrites nor prints "needs a GPU"), apply every other CPU
-        # default, then put the ApexW name back.
+        # ApexW runs on the CPU (its plain-PyTorch engine); the rewrite is meant for bitsandbytes' GPU-only
+        # optimizers. Show Unsloth a name it leaves alone (so it neither rewrites nor prints "needs a GPU"), apply
+        # every other CPU default, then put the ApexW name back.
         args.optim = _NEUTRAL_OPTIM
         try:
             return original(args, *a, **kw)

@@ -8,12 +8,15 @@ bf16 values travel as their 16 bits (``uint16``).
 import triton
 import triton.language as tl
 
-GOLDEN = tl.constexpr(0x9E3779B1)
-MIX1 = tl.constexpr(0x85EBCA6B)
-MIX2 = tl.constexpr(0xC2B2AE35)
-STREAM_MUL = tl.constexpr(0x632BE5AB)
-STREAM_MV = tl.constexpr(1)
-STREAM_P = tl.constexpr(3)
+from .. import _random
+
+# The hash's constants come from the one definition of the random streams (apexw_hf/_random.py).
+GOLDEN = tl.constexpr(_random.GOLDEN)
+MIX1 = tl.constexpr(_random.MIX1)
+MIX2 = tl.constexpr(_random.MIX2)
+STREAM_MUL = tl.constexpr(_random.STREAM_MUL)
+STREAM_MV = tl.constexpr(_random.STREAM_MV)
+STREAM_P = tl.constexpr(_random.STREAM_P)
 BF16_NAN = tl.constexpr(0x7FC0)
 
 

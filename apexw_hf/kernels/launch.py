@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import triton
 
+from .._random import tensor_key, to_int32
 from . import adamw
 from .adamw import NUM_ADDR_ROWS, WORK_GROUP, _adamw_kernel
 
@@ -76,25 +77,6 @@ _STATE_DTYPES = {
         "exp_avg_sq_scale": torch.bfloat16,
     },
 }
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: int) -> int:
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & _MASK32
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & _MASK32
-    return x ^ (x >> 16)
-
-
-def tensor_key(seed: int, tensor_index: int) -> int:
-    """First stage of ``reference.stream_key``; the kernel finishes it with the step and the stream."""
-    return _mix32(seed + 0x9E3779B1 * (tensor_index + 1))
-
-
-def _to_i32(u: int) -> int:
-    return u - (1 << 32) if u >= 1 << 31 else u
 
 
 def _copy_from_host_(dst: torch.Tensor, values) -> None:
@@ -157,7 +139,7 @@ class LaunchPlan:
                     )
             aligned &= all(a % 16 == 0 for a in (addr[ADDR_PARAM][i], addr[ADDR_M][i], addr[ADDR_V][i]))
             numel.append(p.numel())
-            tkey.append(_to_i32(tensor_key(seed, tensor_indices[i])))
+            tkey.append(to_int32(tensor_key(seed, tensor_indices[i])))
             nchunks.append((p.numel() + chunk - 1) // chunk)
         cstart = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(nchunks, out=cstart[1:])

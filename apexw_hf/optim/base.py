@@ -62,7 +62,8 @@ class ApexW(torch.optim.Optimizer):
         param_rounding: ``"stochastic"`` (default) or ``"nearest"``: how the fp32 update is rounded into bf16/fp16
             parameters (fp32 parameters are not rounded).
         engine: ``"auto"`` (Triton kernels for CUDA parameters, plain PyTorch otherwise), ``"triton"`` (always the
-            kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch path).
+            kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch engine,
+            :mod:`apexw_hf.optim.torch_engine`: a param group in cache-sized chunks, the same bits as the kernels).
 
     Example:
         >>> import torch
@@ -96,6 +97,7 @@ class ApexW(torch.optim.Optimizer):
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self._param_index: dict[torch.Tensor, int] = {}
         self._engine = None
+        self._cpu_engine = None
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -296,6 +298,13 @@ class ApexW(torch.optim.Optimizer):
             self._engine = TritonEngine(self)
         return self._engine
 
+    def _torch_engine(self):
+        if self._cpu_engine is None:
+            from .torch_engine import TorchEngine
+
+            self._cpu_engine = TorchEngine(self)
+        return self._cpu_engine
+
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -312,40 +321,8 @@ class ApexW(torch.optim.Optimizer):
             if self._uses_triton(group, params):
                 self._triton_engine().step_group(group, params, grads)  # checks each new gradient allocation
             else:
-                self._step_group_torch(group, params)
+                self._torch_engine().step_group(group, params, grads)
         return loss
-
-    def _step_group_torch(self, group: dict, params: list[torch.Tensor]) -> None:
-        lr = _as_float("lr", group["lr"])
-        beta1, beta2 = (float(b) for b in group["betas"])
-        scalars_by_step: dict[int, ref.StepScalars] = {}
-        for p in params:
-            if p.grad.is_sparse:
-                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
-            state = self._init_state(p, group)
-            state["step"] += 1
-            t = int(state["step"].item())
-            if t not in scalars_by_step:
-                scalars_by_step[t] = ref.StepScalars.make(
-                    lr=lr,
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    step=t,
-                )
-            ref.adamw_step_ref_(
-                dt.local(p),
-                dt.local(p.grad),
-                dt.local_view(state, p) if dt.is_dtensor(p) else state,
-                fmt=group["state_format"],
-                scalars=scalars_by_step[t],
-                seed=group["seed"],
-                tensor_index=self._tensor_index(p),
-                step=t,
-                maximize=group["maximize"],
-                param_rounding=group["param_rounding"],
-            )
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -355,6 +332,7 @@ class ApexW(torch.optim.Optimizer):
         # copy starts without the caches, which rebuild from the param groups (the positions are the same).
         self.__dict__.setdefault("_param_index", {})
         self.__dict__.setdefault("_engine", None)
+        self.__dict__.setdefault("_cpu_engine", None)
         # torch.optim.Optimizer.__setstate__ (run by load_state_dict, deepcopy and unpickling) adds
         # differentiable=False to the defaults for optimizers pickled before that flag existed. ApexW has no
         # differentiable mode; kept, the key would reach every param group added later and every resumed state dict.
@@ -419,8 +397,9 @@ class ApexW(torch.optim.Optimizer):
             if converted:
                 state[p] = converted
         self.__setstate__({"state": state, "param_groups": groups})
-        if self._engine is not None:
-            self._engine.invalidate()
+        for engine in (self._engine, self._cpu_engine):
+            if engine is not None:
+                engine.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -1,0 +1,433 @@
+"""Plain-PyTorch engine of :class:`~apexw_hf.optim.base.ApexW`: the reference's bits, a param group at a time.
+
+``reference.adamw_step_ref_`` is the specification: per tensor, readable, and slow (int64 hashing, a
+``searchsorted`` per 8-bit code, a square root corrected in fp64, fresh tensors for every intermediate). This engine
+computes the same bits with the work laid out for a CPU:
+
+* The tensors of a param group that share a parameter dtype and a step count are processed as one sequence of
+  *chunks* of at most :data:`CHUNK` elements. A piece of a large tensor that fills a chunk is used in place (views of
+  the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk (one
+  ``torch._foreach_copy_`` per tensor kind in, one out). In a packed 8-bit chunk every tensor starts at a block
+  boundary and its padding is zero, as in ``reference._blocks``. A chunk's ~20 scratch buffers fit the CPU caches, so
+  the many elementwise passes read cache, not memory, and a chunk is large enough that PyTorch's cost per operation
+  (about a microsecond) is small beside the work.
+* Every operation writes into preallocated scratch or in place, and every scalar operand is a 0-dim tensor made once
+  (a Python number costs a conversion per call). Boolean masks and ``torch.where`` (slow on the CPU) become exact
+  arithmetic: comparisons written as 0.0/1.0 floats, ``copysign``, ``maximum``.
+* Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
+  wrapping multiplies and masked shifts (exact mod 2**32). The per-tensor keys come from :mod:`apexw_hf._random` on
+  the host once per step and are spread over a packed chunk with one ``cumsum``.
+* The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
+  CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
+* The 8-bit code search is an approximate root and one comparison with the next code's decoded value (the kernels'
+  method, ``kernels._quant.lower_code``), which picks exactly the code of the reference's table search.
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale) do not handle NaN; where a
+  chunk's moments hold a NaN (or, for 8-bit, an infinity) the reference's own functions encode that chunk, and a bf16
+  parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is rare and poisons the
+  run anyway). fp16 parameters with stochastic rounding always use ``reference.round_param``.
+
+The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
+moves the data. Tensors that are not contiguous (a parameter or a state tensor) are stepped by
+``reference.adamw_step_ref_`` itself.
+Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
+and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
+
+Interface with the optimizer (as :class:`~apexw_hf.optim.engine.TritonEngine`)::
+
+    engine = TorchEngine(optimizer)
+    engine.step_group(group, params, grads)   # params with a gradient, in group order; grads their .grad
+    engine.invalidate()                       # after load_state_dict
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+from .. import _random as rnd
+from .. import reference as ref
+from . import dtensor as dt
+from .torch_passes import Scratch, bf16_stochastic, encode, full_bits, hash_into, sqrt_into, square_
+
+CHUNK = 1 << 17  # elements per chunk: 512 KiB per fp32 buffer, about 10 MiB of scratch in all
+_BLOCK = ref.BLOCK
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+# ---- plans ------------------------------------------------------------------------------------------------------
+
+
+class _Chunk:
+    """One batch of elements. ``segs``: (slot, first element in the tensor, count, chunk offset, whole tensor)."""
+
+    __slots__ = ("segs", "length", "direct", "pads", "io")
+
+    def __init__(self, segs, length, direct, pads):
+        self.segs = segs
+        self.length = length
+        self.direct = direct
+        self.pads = pads  # (offset, count) of 8-bit padding in a packed chunk
+        self.io = None  # persistent views (see _Layout._bind)
+
+
+def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
+    """Cut tensors of ``numels`` elements into chunks; full-chunk pieces in place, the rest packed in order."""
+    chunks, segs, fill = [], [], 0
+
+    def close():
+        nonlocal segs, fill
+        if segs:
+            pads = []
+            if blocked:
+                for _, _, n, off, _ in segs:
+                    end = -(-n // _BLOCK) * _BLOCK
+                    if end > n:
+                        pads.append((off + n, end - n))
+            chunks.append(_Chunk(segs, fill, False, pads))
+        segs, fill = [], 0
+
+    for slot, n in enumerate(numels):
+        start = 0
+        while n - start >= CHUNK:
+            chunks.append(_Chunk([(slot, start, CHUNK, 0, start == 0 and n == CHUNK)], CHUNK, True, []))
+            start += CHUNK
+        rest = n - start
+        if rest:
+            span = -(-rest // _BLOCK) * _BLOCK if blocked else rest
+            if fill + span > CHUNK:
+                close()
+            segs.append((slot, start, rest, fill, start == 0))
+            fill += span
+    close()
+    return chunks
+
+
+class _Layout:
+    """Chunks of the members of one param group that share a parameter dtype and a step count."""
+
+    def __init__(self, opt, group, members, states, scratch: Scratch):
+        self.members = members
+        self.fmt = group["state_format"]
+        self.dtype = members[0].dtype
+        self.local_states = [dt.local_view(s, p) if dt.is_dtensor(p) else s for p, s in zip(members, states)]
+        self.fast, self.slow = [], []
+        for i, (p, s) in enumerate(zip(members, self.local_states)):
+            tensors = [dt.local(p)] + [s[k] for k in _STATE_KEYS if k in s]
+            (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
+        self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(members[i])) for i in self.fast]
+        self.locals = [dt.local(members[i]) for i in self.fast]
+        self.shapes = [p.shape for p in self.locals]
+        self.chunks = _plan_chunks([p.numel() for p in self.locals], self.fmt == "8bit")
+        for ch in self.chunks:
+            ch.io = self._bind(ch, scratch)
+
+    def _bind(self, ch: _Chunk, scratch: Scratch) -> dict:
+        """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
+        packed chunk, flat views for an in-place chunk."""
+        fmt = self.fmt
+        b = scratch.upto(ch.length)
+        st = [self.local_states[i] for i in self.fast]
+        io = {}
+
+        def piece(t, seg, scale=False):
+            slot, a, k, _, whole = seg
+            if scale:
+                return t if whole else t[a // _BLOCK : -(-(a + k) // _BLOCK)]
+            return t if whole else t.view(-1)[a : a + k]
+
+        def slices(buf, scale=False):
+            out = []
+            for seg in ch.segs:
+                slot, a, k, o, whole = seg
+                if scale:
+                    out.append(buf[o // _BLOCK : o // _BLOCK + -(-k // _BLOCK)])
+                else:
+                    out.append(buf[o : o + k].view(self.shapes[slot]) if whole else buf[o : o + k])
+            return out
+
+        p_kind = "p" if self.dtype == torch.float32 else "p_store"
+        p_buf = b.p if self.dtype == torch.float32 else b.typed("p_store", self.dtype)
+        moments = {"fp32": ("m", "v"), "compact": ("m_store", "v_store"), "8bit": ("m_store", "v_store")}[fmt]
+        mdt = {"fp32": (None, None), "compact": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}[fmt]
+        if ch.direct:
+            seg = ch.segs[0]
+            io["p"] = piece(self.locals[seg[0]], (*seg[:4], False))
+            for key in _STATE_KEYS:
+                if key in st[seg[0]]:
+                    io[key] = piece(st[seg[0]][key], (*seg[:4], False), scale=key.endswith("_scale"))
+            return io
+        io["p_src"] = [piece(self.locals[s[0]], s) for s in ch.segs]
+        io["p_in"] = slices(b.p)
+        io["p_out"] = slices(p_buf) if p_kind == "p_store" else io["p_in"]
+        io["g_dst"] = slices(b.g)
+        for key, name, dtype in zip(_STATE_KEYS[:2], moments, mdt):
+            io[key] = [piece(st[s[0]][key], s) for s in ch.segs]
+            io[key + "_buf"] = slices(getattr(b, name) if dtype is None else b.typed(name, dtype))
+        if fmt == "8bit":
+            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
+                io[key] = [piece(st[s[0]][key], s, scale=True) for s in ch.segs]
+                io[key + "_buf"] = slices(scratch.typed(name, torch.bfloat16), scale=True)
+        # Same-dtype gathers are one torch.cat of flat pieces (with zeros for the 8-bit padding): cheaper per tensor
+        # than _foreach_copy_, which converts dtypes (bf16 parameters, compact moments) and handles the gradients.
+        pad_at = dict(ch.pads)
+
+        def cat_list(pieces, dtype):
+            out = []
+            for seg, t in zip(ch.segs, pieces):
+                out.append(t.reshape(-1))
+                pad = pad_at.get(seg[3] + seg[2])
+                if pad:
+                    out.append(torch.zeros(pad, dtype=dtype, device=t.device))
+            return out
+
+        gather, pads_in = [], [b.g[o : o + k] for o, k in ch.pads]
+        if self.dtype == torch.float32:
+            gather.append(("cat", b.p, cat_list(io["p_src"], torch.float32)))
+        else:
+            gather.append(("copy", io["p_in"], io["p_src"]))
+            pads_in += [b.p[o : o + k] for o, k in ch.pads]
+        if fmt == "fp32":
+            gather += [("cat", b.m, cat_list(io["exp_avg"], None)), ("cat", b.v, cat_list(io["exp_avg_sq"], None))]
+        elif fmt == "compact":
+            gather += [("copy", slices(b.m), io["exp_avg"]), ("copy", slices(b.v), io["exp_avg_sq"])]
+        else:
+            for key, dtype in zip(_STATE_KEYS[:2], mdt):
+                gather.append(("cat", b.typed(moments[_STATE_KEYS.index(key)], dtype), cat_list(io[key], dtype)))
+            nb = ch.length // _BLOCK
+            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
+                gather.append(("cat", scratch.typed(name, torch.bfloat16)[:nb], [t.reshape(-1) for t in io[key]]))
+            io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
+        io["gather"], io["pads_in"] = gather, pads_in
+        return io
+
+
+class _GroupPlan:
+    """The layouts of the stepping params of one param group, and their step counters.
+
+    ``state["step"]`` of each of those params becomes a 0-dim view of one CPU fp32 buffer (values kept; still a plain
+    0-dim fp32 tensor for ``state_dict``), so one in-place add increments them all while the same params step.
+    """
+
+    def __init__(self, opt, group, params, states, steps, scratch):
+        self.fmt, self.seed = group["state_format"], group["seed"]
+        self.steps = torch.tensor(steps, dtype=torch.float32)
+        self.step_views = list(self.steps.unbind())
+        for s, view in zip(states, self.step_views):
+            s["step"] = view
+        self.moments = [s.get("exp_avg") for s in states]
+        by_kind: dict[tuple, list[int]] = {}
+        for i, (p, t) in enumerate(zip(params, steps)):
+            by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
+        self.layouts = [
+            (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], scratch), idx)
+            for idx in by_kind.values()
+        ]
+
+
+class TorchEngine:
+    """Runs :meth:`ApexW.step` for param groups in plain PyTorch (see the module docstring)."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self._layouts: dict[int, _GroupPlan] = {}
+        self._scratch: dict = {}
+
+    def invalidate(self) -> None:
+        """Forget the cached chunk plans (state tensors were replaced)."""
+        self._layouts.clear()
+
+    def _scratch_for(self, device) -> Scratch:
+        sc = self._scratch.get(device)
+        if sc is None:
+            sc = self._scratch[device] = Scratch(device, CHUNK)
+        return sc
+
+    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update.
+
+        ``grads``: their ``.grad`` tensors, in the same order.
+        """
+        if not params:
+            return
+        opt = self.optimizer
+        for p, g in zip(params, grads):
+            if g.is_sparse:
+                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+            if g.shape != p.shape:
+                raise ValueError(
+                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
+                    "have their parameter's shape"
+                )
+        states = [opt._init_state(p, group) for p in params]
+        step_tensors = [s["step"] for s in states]
+        cached = self._layouts.get(id(group))
+        if (
+            cached is not None
+            and cached.fmt == group["state_format"]
+            and cached.seed == group["seed"]
+            and len(step_tensors) == len(cached.step_views)
+            and all(map(operator.is_, step_tensors, cached.step_views))
+            and all(map(operator.is_, (s.get("exp_avg") for s in states), cached.moments))
+        ):
+            # The same params step again, with the same state: their step counters are views of one buffer.
+            cached.steps.add_(1.0)
+            steps = [int(t) for t in cached.steps.tolist()]
+        else:
+            for t in step_tensors:
+                t.add_(1.0)
+            steps = [int(t.item()) for t in step_tensors]
+            cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
+            self._layouts[id(group)] = cached
+        lr = group["lr"]
+        hp = dict(
+            lr=float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr),
+            beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+        )
+        for layout, idx in cached.layouts:
+            t = steps[idx[0]]
+            self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
+
+    def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
+        maximize = group["maximize"]
+        rounding = group["param_rounding"]
+        for i in layout.slow:
+            p = layout.members[i]
+            ref.adamw_step_ref_(
+                dt.local(p),
+                dt.local(grads[i]),
+                layout.local_states[i],
+                fmt=layout.fmt,
+                scalars=s,
+                seed=group["seed"],
+                tensor_index=self.optimizer._tensor_index(p),
+                step=t,
+                maximize=maximize,
+                param_rounding=rounding,
+            )
+        if not layout.fast:
+            return
+        grads = [dt.local(grads[i]) for i in layout.fast]
+        sc = self._scratch_for(layout.locals[0].device)
+        # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.
+        k = torch.tensor(
+            [s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.inv_bc2_sqrt, s.eps, s.step_size, s.decay],
+            dtype=torch.float32,
+            device=sc.device,
+        ).unbind()
+        mixed = rnd.mix32(t)
+        stochastic_p = layout.dtype != torch.float32 and rounding == "stochastic"
+        keys_mv = (
+            [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
+        )
+        keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if stochastic_p else None
+        for ch in layout.chunks:
+            _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
+
+
+def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
+    """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay = k
+    fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
+    n = ch.length
+    b = sc.upto(n)
+    G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
+    blocks = n // _BLOCK
+    v_np = None
+    # ---- gather ---------------------------------------------------------------------------------------------
+    if ch.direct:
+        slot, a, _, _, _ = ch.segs[0]
+        g = grads[slot].reshape(-1)[a : a + n]
+        if g.dtype == torch.float32 and not maximize:
+            G = g
+        else:
+            G.copy_(g)
+        if dtype == torch.float32:
+            P = io["p"]
+        else:
+            P.copy_(io["p"])
+        m_state, v_state = io["exp_avg"], io["exp_avg_sq"]
+        if fmt == "fp32":
+            M, V = m_state, v_state
+        elif fmt == "compact":
+            M.copy_(m_state)
+            V.copy_(v_state)
+        else:
+            m_scale, v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+    else:
+        srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
+        torch._foreach_copy_(io["g_dst"], srcs)
+        for kind, dst, src in io["gather"]:
+            if kind == "cat":
+                torch.cat(src, out=dst)
+            else:
+                torch._foreach_copy_(dst, src)
+        if io["pads_in"]:
+            torch._foreach_zero_(io["pads_in"])
+        if fmt == "8bit":
+            m_state, v_state = b.typed("m_store", torch.int8), b.typed("v_store", torch.uint8)
+            m_scale = sc.typed("m_scale", torch.bfloat16)[:blocks]
+            v_scale = sc.typed("v_scale", torch.bfloat16)[:blocks]
+    if maximize:
+        G.neg_()
+    if fmt == "8bit":
+        # dequantize; t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are symmetric in sign)
+        M.copy_(m_state).mul_(c.inv127)
+        M.mul_(torch.abs(M, out=A)).view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
+        square_(V.copy_(v_state).mul_(c.inv255), True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+    if b.cpu and V is b.v:
+        v_np = b.np["v"]
+    # ---- the update, in the reference's operation order -------------------------------------------------------
+    M.mul_(beta1).add_(torch.mul(G, one_minus_beta1, out=A))
+    torch.mul(G, G, out=A).mul_(one_minus_beta2)
+    V.mul_(beta2).add_(A)
+    if ch.pads:
+        torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
+    sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
+    A.mul_(inv_bc2_sqrt).add_(eps)
+    torch.div(M, A, out=A)
+    moments_nan = fmt == "compact" and math.isnan(float(A.sum()))  # m or v has a NaN (or inf / inf)
+    A.mul_(step_size)
+    P.mul_(decay).sub_(A)
+    # ---- parameters -------------------------------------------------------------------------------------------
+    if dtype != torch.float32:
+        p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
+        if stochastic_p:
+            hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs])
+            if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
+                bf16_stochastic(P, b.rm, b.t, c, p_out)
+            else:
+                p_out.copy_(ref.round_param(P, dtype, full_bits(b)))
+        else:
+            p_out.copy_(P)
+    if not ch.direct:
+        torch._foreach_copy_(io["p_src"], io["p_out"])
+    # ---- moments ----------------------------------------------------------------------------------------------
+    if fmt == "fp32":
+        if not ch.direct:
+            torch._foreach_copy_(io["exp_avg"], io["exp_avg_buf"])
+            torch._foreach_copy_(io["exp_avg_sq"], io["exp_avg_sq_buf"])
+        return
+    hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs])
+    if fmt == "compact":
+        m_out = m_state if ch.direct else b.typed("m_store", torch.bfloat16)
+        v_out = v_state if ch.direct else b.typed("v_store", torch.bfloat16)
+        if moments_nan:
+            bits = full_bits(b)
+            m_out.copy_(ref.round_to_bf16_stochastic(M, bits))
+            v_out.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
+        else:
+            bf16_stochastic(M, b.rm, b.t, c, m_out)
+            bf16_stochastic(V, b.rv, b.t, c, v_out)
+    else:
+        for x, codes, scale, is_v in ((M, m_state, m_scale, False), (V, v_state, v_scale, True)):
+            if not encode(b, c, x, blocks, codes, scale, is_v):
+                qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, full_bits(b))
+                codes.copy_(qc)
+                scale.copy_(qs)
+    if not ch.direct:
+        keys = _STATE_KEYS if fmt == "8bit" else _STATE_KEYS[:2]
+        for key in keys:
+            torch._foreach_copy_(io[key], io[key + "_buf"])

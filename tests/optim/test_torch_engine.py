@@ -1,0 +1,345 @@
+"""The plain-PyTorch engine against ``reference.adamw_step_ref_`` applied per tensor: the same bits, every path.
+
+The oracle steps a twin optimizer tensor by tensor with the reference (what ``ApexW`` did on the CPU before the
+engine). Parameters and every state tensor are compared bit for bit; where NaN is expected, NaN positions must agree
+and the sign and payload bits of NaN are not compared (IEEE leaves them to the hardware). Most tests shrink the
+engine's chunk to 4096 elements, so that small shapes exercise every layout: tensors used in place, split across
+chunks, packed several to a chunk, and packed with 8-bit padding.
+"""
+
+import io
+
+import pytest
+import torch
+
+from apexw_hf import ApexW, reference
+from apexw_hf.optim import torch_engine, torch_passes
+
+from .helpers import FORMATS, SHAPES
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+_BITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    monkeypatch.setattr(torch_engine, "CHUNK", 4096)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return False
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.view(bits)[~na], b.view(bits)[~nb])
+
+
+@torch.no_grad()
+def reference_step(opt: ApexW) -> None:
+    """One step of ``opt`` by the per-tensor reference (the oracle)."""
+    for group in opt.param_groups:
+        b1, b2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = opt._init_state(p, group)
+            state["step"] += 1
+            t = int(state["step"].item())
+            scalars = reference.StepScalars.make(
+                lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], step=t
+            )
+            reference.adamw_step_ref_(
+                p,
+                p.grad,
+                state,
+                fmt=group["state_format"],
+                scalars=scalars,
+                seed=group["seed"],
+                tensor_index=opt._tensor_index(p),
+                step=t,
+                maximize=group["maximize"],
+                param_rounding=group["param_rounding"],
+            )
+
+
+def assert_same(opt_a, params_a, opt_b, params_b):
+    for i, (a, b) in enumerate(zip(params_a, params_b)):
+        assert same_bits(a.detach(), b.detach()), f"param {i} {tuple(a.shape)} {a.dtype}"
+        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
+        assert sa.keys() == sb.keys(), i
+        for key in sa:
+            assert same_bits(sa[key], sb[key]), f"param {i} {tuple(a.shape)} state {key}"
+
+
+def _make(values, dtype):
+    return [torch.nn.Parameter(v.clone().to(dtype)) for v in values]
+
+
+def _twins(values, dtype, groups=None, **kw):
+    """(engine optimizer, its params, oracle optimizer, its params) over copies of ``values``."""
+    pa, pb = _make(values, dtype), _make(values, dtype)
+    if groups is None:
+        return ApexW(pa, engine="torch", **kw), pa, ApexW(pb, engine="torch", **kw), pb
+    return (
+        ApexW(groups(pa), engine="torch", **kw),
+        pa,
+        ApexW(groups(pb), engine="torch", **kw),
+        pb,
+    )
+
+
+def _run(opt_a, pa, opt_b, pb, grads_per_step):
+    for grads in grads_per_step:
+        for x, y, g in zip(pa, pb, grads):
+            x.grad = None if g is None else g.to(x.dtype)
+            y.grad = None if g is None else g.to(y.dtype)
+        opt_a.step()
+        reference_step(opt_b)
+
+
+def _random(shapes, steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    values = [torch.randn(s, generator=gen) for s in shapes]
+    # gradients over many magnitudes, so the 8-bit codes span their range and moments differ per block
+    grads = [
+        [torch.randn(s, generator=gen) * 10.0 ** torch.randint(-6, 2, (1,), generator=gen).item() for s in shapes]
+        for _ in range(steps)
+    ]
+    return values, grads
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(maximize=True), dict(param_rounding="nearest"), dict(lr=3e-2, betas=(0.8, 0.95), eps=0.0)],
+    ids=["default", "maximize", "nearest", "hparams"],
+)
+def test_matches_reference(small_chunks, fmt, dtype, options):
+    values, grads = _random(SHAPES + [(4096,), (8193,), (64, 130)], steps=4)
+    kw = dict(lr=1e-2, weight_decay=0.1, state_format=fmt, seed=7)
+    kw.update(options)
+    opt_a, pa, opt_b, pb = _twins(values, dtype, **kw)
+    _run(opt_a, pa, opt_b, pb, grads)
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_chunk_size(fmt):
+    """The shipped chunk size: a tensor used in place over two chunks plus its packed tail and small tensors."""
+    n = torch_engine.CHUNK
+    values, grads = _random([(2 * n + 300,), (257,), (3, 5)], steps=2, seed=1)
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt, lr=1e-2)
+    _run(opt_a, pa, opt_b, pb, grads)
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+def _special_values(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen)
+    x[0:4] = torch.tensor([0.0, -0.0, 1e-40, -3e-42])  # signed zeros, subnormals
+    x[4:6] = torch.tensor([3e38, -3.3e38])  # near the fp32 maximum
+    return x
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_special_values(small_chunks, fmt, dtype):
+    n = 1300  # blocks 0..4 (256 elements each) and a partial block
+    values = [_special_values(n, 0), torch.zeros(300), torch.randn(700), torch.randn(5)]
+    steps = []
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        g = torch.randn(n, generator=gen)
+        g[256:512] = 0.0  # an all-zero block
+        g[512] = 1e30  # a block with one huge value
+        g[600:604] = torch.tensor([1e-40, -1e-42, -0.0, 0.0])
+        if step == 1:
+            g[768] = float("inf")
+            g[800] = float("-inf")
+        if step == 2:
+            g[1030] = float("nan")
+        other = torch.randn(700, generator=gen)
+        other[::50] = 0.0
+        steps.append([g, torch.zeros(300), other, torch.full((5,), 1e-30)])
+    opt_a, pa, opt_b, pb = _twins(values, dtype, state_format=fmt, lr=1e-3, seed=5)
+    _run(opt_a, pa, opt_b, pb, steps)
+    assert_same(opt_a, pa, opt_b, pb)
+    assert torch.isnan(pa[0].detach()).any()  # the NaN did arrive
+    assert torch.isfinite(pa[2].detach()).all()  # and stayed in its tensor
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_groups_missing_grads_and_unequal_steps(small_chunks, fmt):
+    shapes = [(300,), (17, 33), (5000,), (1,), (256,), (9,)]
+    values, grads = _random(shapes, steps=6, seed=2)
+    for step, row in enumerate(grads):
+        if step in (1, 2):
+            row[1] = None  # falls behind by two steps
+        if step == 0:
+            row[4] = None  # joins late
+        row[5] = None  # never a gradient, never state
+
+    def groups(ps):
+        return [
+            {"params": ps[:3], "lr": 1e-2, "weight_decay": 0.1},
+            {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.0, "state_format": "compact", "maximize": True},
+        ]
+
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, groups=groups, state_format=fmt, seed=3)
+    _run(opt_a, pa, opt_b, pb, grads)
+    assert_same(opt_a, pa, opt_b, pb)
+    assert int(opt_a.state[pa[1]]["step"]) == 4 and int(opt_a.state[pa[0]]["step"]) == 6
+    assert pa[5] not in opt_a.state
+
+
+def test_mixed_param_and_grad_dtypes(small_chunks):
+    values, grads = _random([(300,), (5000,), (17,), (257,)], steps=3, seed=4)
+    pa = [torch.nn.Parameter(v.clone().to(d)) for v, d in zip(values, DTYPES + [torch.bfloat16])]
+    pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    for p in pa + pb:
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = None  # torch >= 2.10 checks grad dtype against the param's unless told otherwise
+    opt_a, opt_b = (ApexW(ps, state_format="8bit", engine="torch", seed=9) for ps in (pa, pb))
+    for step, row in enumerate(grads):
+        for x, y, g in zip(pa, pb, row):
+            dtype = torch.bfloat16 if step == 1 else torch.float32  # fp32 grads of bf16 params, and the reverse
+            x.grad, y.grad = g.to(dtype), g.to(dtype)
+        opt_a.step()
+        reference_step(opt_b)
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_contiguous_param_and_grad(small_chunks, fmt):
+    base = torch.randn(40, 70)
+    pa = [torch.nn.Parameter(base.clone().t()), torch.nn.Parameter(torch.randn(300))]
+    pb = [
+        torch.nn.Parameter(p.detach().clone().t().contiguous().t())
+        if i == 0
+        else torch.nn.Parameter(p.detach().clone())
+        for i, p in enumerate(pa)
+    ]
+    assert not pa[0].is_contiguous() and not pb[0].is_contiguous()
+    opt_a, opt_b = (ApexW(ps, state_format=fmt, engine="torch") for ps in (pa, pb))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        gs = [torch.randn(70, 40, generator=gen), torch.randn(600, generator=gen)[::2]]  # the second is strided
+        for x, y, g in zip(pa, pb, gs):
+            x.grad, y.grad = g.clone(), g.clone()
+        opt_a.step()
+        reference_step(opt_b)
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_resume_matches_unbroken_reference(small_chunks, fmt, dtype):
+    values, grads = _random([(33, 65), (5000,), (1,)], steps=6, seed=6)
+    grads[2][2] = None
+    kw = dict(lr=1e-2, weight_decay=0.1, state_format=fmt, seed=11)
+    opt_a, pa, opt_b, pb = _twins(values, dtype, **kw)
+    _run(opt_a, pa, opt_b, pb, grads[:3])
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in pa]
+    opt_r = ApexW(resumed, engine="torch", lr=1.0, state_format="fp32")
+    opt_r.load_state_dict(_roundtrip(opt_a.state_dict()))
+    _run(opt_r, resumed, opt_b, pb, grads[3:])
+    assert_same(opt_r, resumed, opt_b, pb)
+
+
+def test_load_state_dict_replaces_the_cached_plan(small_chunks):
+    """A loaded state must be the one stepped (the engine caches views of the state tensors)."""
+    values, grads = _random([(5000,), (300,)], steps=4, seed=8)
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format="8bit")
+    _run(opt_a, pa, opt_b, pb, grads[:2])
+    opt_a.load_state_dict(_roundtrip(opt_b.state_dict()))  # the same values in new tensors
+    _run(opt_a, pa, opt_b, pb, grads[2:])
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+def test_auto_engine_on_cpu_uses_it():
+    p = torch.nn.Parameter(torch.randn(10))
+    opt = ApexW([p])
+    p.grad = torch.randn(10)
+    opt.step()
+    assert isinstance(opt._cpu_engine, torch_engine.TorchEngine) and opt._engine is None
+
+
+def test_gradient_of_another_shape_is_an_error():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = ApexW([p], engine="torch")
+    p.grad = torch.randn(4, 6)
+    opt.step()
+    p.grad.set_(torch.randn(24))  # torch refuses to assign such a gradient, not to reshape one in place
+    with pytest.raises(ValueError, match=r"a gradient of shape \(24,\) for a parameter of shape \(4, 6\)"):
+        opt.step()
+
+
+def test_sqrt_is_correctly_rounded():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(1 << 17, generator=gen) * torch.logspace(-45, 38, 1 << 17)
+    x[:6] = torch.tensor([0.0, 1e-45, 2.0, 3.4e38, float("inf"), 1e-38])
+    b = torch_passes.Scratch(torch.device("cpu"), 1 << 17).upto(x.numel())
+    b.v.copy_(x)
+    torch_passes.sqrt_into(b, b.v, b.np["v"], b.a, b.np["a"])
+    assert torch.equal(b.a, reference.sqrt_rn(x))
+
+
+def test_hash_matches_reference_per_piece():
+    """A packed chunk: pieces of tensors at various chunk offsets and tensor offsets, each with its own key."""
+    sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
+    segs = [(0, 0, 300, 0, True), (1, 4096, 1000, 512, False), (2, 0, 1, 1536, True), (3, 7, 2000, 1537, False)]
+    keys = [reference.stream_key(s, i, 3, reference.STREAM_MV) for i, s in enumerate((0, 5, 2**32 - 1, 17))]
+    n = 3537
+    b = sc.upto(n)
+    torch_passes.hash_into(b, sc.c, segs, keys)
+    full = torch_passes.full_bits(b)
+    for (_, a, k, o, _), key in zip(segs, keys):
+        want = reference.hash_uniform_bits(a + k, key, "cpu")[a:]
+        assert torch.equal(full[o : o + k], want)
+        assert torch.equal(b.rm[o : o + k].long(), want >> 16)
+        assert torch.equal(b.rv[o : o + k].long(), want & 0xFFFF)
+
+
+@pytest.mark.parametrize("is_v", [False, True])
+def test_8bit_codes_at_every_boundary(is_v):
+    """Normalized values at, just below and just above every code's decoded value, and the block maximum."""
+    table = reference._Q4_TABLE if is_v else reference._Q2_TABLE
+    near = torch.cat([table, torch.nextafter(table, torch.zeros(1)), torch.nextafter(table, torch.ones(1))])
+    near = near[(near >= 0) & (near <= 1)]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.cat([near, torch.rand(4096, generator=gen) ** 4])
+    x = torch.cat([x, x.new_zeros(-x.numel() % 256)]).view(-1, 256)
+    x[:, 0] = 1.0  # scale 1: y is exactly the value above
+    x[1, 0] = 0.73  # other scales too
+    x = x.reshape(-1)
+    if not is_v:
+        x[1::2] = -x[1::2]
+    sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
+    b = sc.upto(x.numel())
+    torch_passes.hash_into(b, sc.c, [(0, 0, x.numel(), 0, True)], [12345])
+    codes = torch.empty(x.numel(), dtype=torch.uint8 if is_v else torch.int8)
+    scale = torch.empty(x.numel() // 256, dtype=torch.bfloat16)
+    want_codes, want_scale = (reference.quantize_v if is_v else reference.quantize_m)(x, torch_passes.full_bits(b))
+    assert torch_passes.encode(b, sc.c, x, x.numel() // 256, codes, scale, is_v)  # v is normalized in place
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes, want_codes)
+
+
+def test_comparison_notices_one_bit():
+    """The comparison these tests rely on tells apart values one ulp apart, and -0 from +0."""
+    x = torch.tensor([1.0, 0.0])
+    assert not same_bits(x, torch.tensor([torch.nextafter(x[0], x[1]).item(), 0.0]))
+    assert not same_bits(x, torch.tensor([1.0, -0.0]))
+    assert same_bits(torch.tensor([float("nan")]), -torch.tensor([float("nan")]))
