@@ -1,4 +1,4 @@
-"""GPU check of full fine-tuning with the model itself in bf16 through each stack (issue 12, item 4).
+"""GPU check of full fine-tuning with the model itself in bf16 through each stack.
 
 For every stack the script trains a small random Llama (built from a config, saved in bf16 to a local directory with
 a tokenizer trained in-process; nothing is downloaded) for a few steps with every trainable parameter and records:
