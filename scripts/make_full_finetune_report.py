@@ -130,10 +130,12 @@ def _progress_rows(log: Path) -> list[dict]:
     return rows
 
 
-def quality_table(folder: Path | None, base: str, from_log_note: bool) -> str:
+def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: list[Path] = ()) -> str:
+    """Validation loss per optimizer and learning rate, the best lr and paired tests; ``extra``: more grids of the
+    same set-up (other seeds or learning rates) whose runs join ``folder``'s."""
     if folder is None:
         return "(no stored grid)\n"
-    runs = [r for r in _runs(folder) if r.get("status") == "ok"]
+    runs = [r for f in (folder, *extra) for r in _runs(f) if r.get("status") == "ok"]
     source, digits = "run JSONs", 4
     if not runs and (folder / "compare.log").exists():
         runs, digits = _progress_rows(folder / "compare.log"), 3
@@ -154,7 +156,9 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool) -> str:
         + f"`{base}` at its best (paired p) |"
     )
     lines = [
-        f"From {source} in `{folder.relative_to(ROOT)}`; seeds {seeds}; mean ± sample std over seeds.",
+        f"From {source} in `{folder.relative_to(ROOT)}`"
+        + "".join(f", `{f.relative_to(ROOT)}`" for f in extra)
+        + f"; seeds {seeds}; mean ± sample std over the seeds of each cell (n in brackets where it differs).",
         "",
         head,
         "|---|" + "---:|" * (len(lrs) + 3),
@@ -164,7 +168,7 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool) -> str:
         cells = []
         for lr in lrs:
             v = [r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == lr]
-            cells.append(_ms(v, digits))
+            cells.append(_ms(v, digits) + (f" (n={len(v)})" if v and len(v) != len(seeds) else ""))
         b = best[o]
         at = {r["seed"]: r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == b["lr"]}
         test = "-"
@@ -243,6 +247,9 @@ def main() -> int:
             "ff-h200-speed": speed_table(),
             "ff-h200-quality": quality_table(quality_gpu, BASE_GPU, False),
             "ff-cpu-quality": quality_table(RESULTS / "offline_full", BASE_CPU, True),
+            "ff-cpu-quality-extra": quality_table(
+                RESULTS / "offline_full", BASE_CPU, False, sorted((RESULTS / "offline_full_extra").glob("*"))
+            ),
         },
         ROOT / "README.md": {"ff-readme": readme_table()},
     }
