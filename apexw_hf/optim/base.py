@@ -15,6 +15,7 @@ import torch
 from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
+from .hparams import as_float as _as_float
 
 _GRAD = operator.attrgetter("grad")
 
@@ -26,17 +27,6 @@ _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused
 _TORCH_ADAMW_FLAGS = dict(
     amsgrad=False, foreach=None, capturable=False, differentiable=False, fused=None, decoupled_weight_decay=True
 )
-
-
-def _as_float(name: str, value) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            # torch.optim.AdamW's wording, so code written against torch's errors matches ours too
-            raise ValueError(f"Tensor {name} must be 1-element, got a tensor of shape {tuple(value.shape)}")
-        return float(value.item())
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    return float(value)
 
 
 class ApexW(torch.optim.Optimizer):

@@ -38,11 +38,7 @@ import torch
 
 from .. import reference as ref
 from . import dtensor as dt
-
-
-def _float(name: str, value) -> float:
-    # A one-element CUDA tensor would synchronize here; the optimizer documents lr as read once per step.
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+from .hparams import step_hparams
 
 
 class _GroupCache:
@@ -158,6 +154,7 @@ class TritonEngine:
         """
         if not params:
             return
+        hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
         if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
             ptrs = [g.to_local().data_ptr() for g in grads]
         else:
@@ -200,13 +197,6 @@ class TritonEngine:
             stepping = cache.steps_np[active.numpy()]
         lo, hi = int(stepping.min()), int(stepping.max())
 
-        hp = dict(
-            lr=_float("lr", group["lr"]),
-            beta1=_float("betas", group["betas"][0]),
-            beta2=_float("betas", group["betas"][1]),
-            eps=_float("eps", group["eps"]),
-            weight_decay=_float("weight_decay", group["weight_decay"]),
-        )
         uniform = lo == hi
         if uniform:
             scalars = ref.StepScalars.make(step=lo, **hp)

@@ -49,6 +49,7 @@ import torch
 from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
+from .hparams import step_hparams
 from .torch_passes import Scratch, bf16_stochastic, encode, full_bits, hash_into, sqrt_into, square_
 
 CHUNK = 1 << 17  # elements per chunk: 512 KiB per fp32 buffer, about 10 MiB of scratch in all
@@ -250,6 +251,7 @@ class TorchEngine:
         if not params:
             return
         opt = self.optimizer
+        hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
         for p, g in zip(params, grads):
             if g.is_sparse:
                 raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
@@ -278,14 +280,6 @@ class TorchEngine:
             steps = [int(t.item()) for t in step_tensors]
             cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
             self._layouts[id(group)] = cached
-        lr = group["lr"]
-        hp = dict(
-            lr=float(lr.item()) if isinstance(lr, torch.Tensor) else float(lr),
-            beta1=float(group["betas"][0]),
-            beta2=float(group["betas"][1]),
-            eps=float(group["eps"]),
-            weight_decay=float(group["weight_decay"]),
-        )
         for layout, idx in cached.layouts:
             t = steps[idx[0]]
             self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))

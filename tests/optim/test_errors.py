@@ -38,6 +38,20 @@ def test_bad_hyperparameters(kwargs, exc, match):
         ApexW([P(3)], **kwargs)
 
 
+def test_lr_changed_after_construction_is_read_with_the_same_check():
+    # a scheduler or user code may replace the group's lr after the constructor checked it: the step reads it with
+    # the same reader before anything moves, so a multi-element tensor gets the same message and nothing changes
+    p = P(3)
+    opt = ApexW([p], lr=1e-3, engine="torch")
+    opt.param_groups[0]["lr"] = torch.tensor([1e-3, 2e-3])
+    p.grad = torch.ones(3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"^Tensor lr must be 1-element, got a tensor of shape \(2,\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+    assert not opt.state.get(p)  # no state created, no step counted
+
+
 def test_bad_group_override():
     with pytest.raises(ValueError, match="unknown state_format 'int8'"):
         ApexW([{"params": [P(3)], "state_format": "int8"}])
