@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from apexw_hf.recipe.config import optimizer_label  # noqa: E402
-from apexw_hf.recipe.report import ALPHA, BEST_LR_RULE, best_learning_rates, paired_t_test  # noqa: E402
+from apexw_hf.recipe.report import BEST_LR_RULE, best_learning_rates, paired_cell  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 BASE_GPU, BASE_CPU = "adamw_torch_fused@fp32", "adamw_torch@fp32"
@@ -171,15 +171,7 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
             cells.append(_ms(v, digits) + (f" (n={len(v)})" if v and len(v) != len(seeds) else ""))
         b = best[o]
         at = {r["seed"]: r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == b["lr"]}
-        test = "-"
-        if o != base:
-            common = sorted(set(at) & set(base_best))
-            pair = paired_t_test([at[s] for s in common], [base_best[s]["validation_loss"] for s in common])
-            if pair is None:
-                test = f"n too small ({len(common)} seed{'s' if len(common) != 1 else ''})"
-            else:
-                mark = " **significant**" if pair["p"] < ALPHA else ""
-                test = f"{pair['diff']:+.4f} (p = {pair['p']:.2g}{mark}, {len(common)} seeds)"
+        test = "-" if o == base else paired_cell(at, {s: r["validation_loss"] for s, r in base_best.items()})
         lines.append(
             f"| {optimizer_label(o)} | "
             + " | ".join(cells)

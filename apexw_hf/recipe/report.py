@@ -24,6 +24,7 @@ __all__ = [
     "paired_t_test",
     "student_t_sf",
     "best_learning_rates",
+    "paired_cell",
     "summarize",
     "write_reports",
     "CSV_FIELDS",
@@ -209,6 +210,17 @@ def best_learning_rates(results: list[dict[str, Any]]) -> dict[str, dict[str, An
     return out
 
 
+def paired_cell(a: dict[Any, float], b: dict[Any, float]) -> str:
+    """``a`` minus ``b`` over the seeds both have (``{seed: loss}``), as a table cell: the mean difference, the paired
+    test's p (marked when below :data:`ALPHA`) and the number of seeds, or "n too small" with fewer than two."""
+    common = sorted(set(a) & set(b), key=str)
+    pair = paired_t_test([a[s] for s in common], [b[s] for s in common])
+    if pair is None:
+        return f"n too small ({len(common)} common seed{'' if len(common) == 1 else 's'})"
+    mark = " **significant**" if pair["p"] < ALPHA else ""
+    return f"{pair['diff']:+.4f} (p = {pair['p']:.3g}{mark}, {len(common)} seeds)"
+
+
 def _best_lr_section(results: list[dict[str, Any]], cfg: RecipeConfig, opts: list[str]) -> list[str]:
     """Each optimizer at its own best learning rate, and paired tests against the baseline at its best."""
     best = best_learning_rates(results)
@@ -241,16 +253,7 @@ def _best_lr_section(results: list[dict[str, Any]], cfg: RecipeConfig, opts: lis
         vals = [r["validation_loss"] for r in runs if r.get("validation_loss") is not None]
         test = "-"
         if o != base and base_runs:
-            a = _by_seed(runs, "validation_loss")
-            common = sorted(
-                set(a) & {s for s, r in base_runs.items() if r.get("validation_loss") is not None}, key=str
-            )
-            pair = paired_t_test([a[s] for s in common], [base_runs[s]["validation_loss"] for s in common])
-            if pair is None:
-                test = f"n too small ({len(common)} common seeds)"
-            else:
-                mark = " **significant**" if pair["p"] < ALPHA else ""
-                test = f"{pair['diff']:+.4f} (p = {pair['p']:.3g}{mark}, {len(common)} seeds)"
+            test = paired_cell(_by_seed(runs, "validation_loss"), _by_seed(base_runs.values(), "validation_loss"))
         lines.append(
             f"| {optimizer_label(o)} (`{o}`) | {tried} | {_lr(b['lr'])} | {b['seeds']} | "
             f"{_fmt([r['final_train_loss'] for r in runs], 4)} | {_fmt(vals, 4)} | {test} |"
