@@ -360,7 +360,7 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         sps = [r["steps_per_s"] for r in runs if r["learning_rate"] == lrs[0]]
         row = [f"{label} (`{o}`)", _fmt(mem, 3)]
         if reserved:
-            row.append(_fmt([r["peak_gpu_mem_reserved_gib"] for r in runs if r.get("peak_gpu_mem_reserved_gib")], 3))
+            row.append(_fmt([x for r in runs if (x := r.get("peak_gpu_mem_reserved_gib")) is not None], 3))
         row.append(state_s)
         if per_param:
             bpp = sorted({round(r["train_bytes_per_param"], 3) for r in runs if r.get("train_bytes_per_param")})
