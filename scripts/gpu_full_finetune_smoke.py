@@ -99,10 +99,9 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def _sft_config(out: Path, optim: str, **kw):
-    from trl import SFTConfig
-
-    return SFTConfig(
+def _train_kwargs(out: Path, optim: str) -> dict:
+    """The arguments every stack's run shares (TrainingArguments and SFTConfig alike)."""
+    return dict(
         output_dir=str(out),
         per_device_train_batch_size=4,
         max_steps=STEPS,
@@ -111,13 +110,15 @@ def _sft_config(out: Path, optim: str, **kw):
         save_strategy="no",
         report_to=[],
         optim=optim,
-        max_length=48,
-        dataset_text_field="text",
-        packing=False,
         seed=0,
         use_cpu=not _cuda(),
-        **kw,
     )
+
+
+def _sft_config(out: Path, optim: str, **kw):
+    from trl import SFTConfig
+
+    return SFTConfig(**_train_kwargs(out, optim), max_length=48, dataset_text_field="text", packing=False, **kw)
 
 
 def _record(trainer, model, before_dtypes, optim: str, stack: str, t0: float) -> dict:
@@ -220,18 +221,7 @@ def run_stack(stack: str, model_dir: Path, out: Path) -> list[dict]:
                     lambda r, tok=tok: tok(r["text"], truncation=True, max_length=48), remove_columns=["text"]
                 )
                 args = TrainingArguments(
-                    output_dir=str(out / f"{stack}_{optim}"),
-                    per_device_train_batch_size=4,
-                    max_steps=STEPS,
-                    learning_rate=LR,
-                    logging_steps=1,
-                    save_strategy="no",
-                    report_to=[],
-                    optim=optim,
-                    bf16=stack != "fp16",
-                    fp16=stack == "fp16",
-                    seed=0,
-                    use_cpu=not _cuda(),
+                    **_train_kwargs(out / f"{stack}_{optim}", optim), bf16=stack != "fp16", fp16=stack == "fp16"
                 )
                 trainer = Trainer(
                     model=model,
@@ -250,15 +240,15 @@ def run_stack(stack: str, model_dir: Path, out: Path) -> list[dict]:
                     )
                 else:
                     rows.append({"stack": stack, "optim": optim, "problems": ["trained without the expected error"]})
-                continue
-            trainer.train()
-            row = _record(trainer, model, before, optim, stack, t0)
-            if stack == "sft_path_default":
-                # TRL loads a path in float32 by default: the user gets fp32 weights under bf16 autocast (mixed
-                # precision), not a bf16 model. Recorded as what happens, not as a failure of this stack.
-                row["problems"] = [p for p in row["problems"] if "not bf16" not in p]
-                row["note"] = "SFTTrainer(model=<path>) without model_init_kwargs dtype loads float32"
-            rows.append(row)
+            else:
+                trainer.train()
+                row = _record(trainer, model, before, optim, stack, t0)
+                if stack == "sft_path_default":
+                    # TRL loads a path in float32 by default: the user gets fp32 weights under bf16 autocast (mixed
+                    # precision), not a bf16 model. Recorded as what happens, not as a failure of this stack.
+                    row["problems"] = [p for p in row["problems"] if "not bf16" not in p]
+                    row["note"] = "SFTTrainer(model=<path>) without model_init_kwargs dtype loads float32"
+                rows.append(row)
         except Exception as exc:  # noqa: BLE001 - recorded and reported as a failed check
             rows.append(
                 {

@@ -37,15 +37,13 @@ for name in ("apexw_8bit", "apexw_compact"):
     for cls in (TrainingArguments, SFTConfig, UnslothTrainingArguments):
         result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
 
-if full_bf16:
-    import torch
 
-    model = make_model(lora=False).to(torch.bfloat16)
+def train(model, **extra):
+    """A 3-step run of ``model`` through Unsloth's trainer with apexw_8bit; returns (trainer, the real optimizer)."""
     config = UnslothTrainingArguments(
         **common,
         optim="apexw_8bit",
         optim_args="engine=torch",
-        bf16=True,
         max_steps=3,
         per_device_train_batch_size=4,
         logging_steps=1,
@@ -53,10 +51,17 @@ if full_bf16:
         max_length=32,
         dataset_text_field="text",
         disable_tqdm=True,
+        **extra,
     )
     trainer = UnslothTrainer(model=model, args=config, train_dataset=text_dataset(), processing_class=make_tokenizer())
     trainer.train()
-    opt = unwrap_optimizer(trainer.optimizer)
+    return trainer, unwrap_optimizer(trainer.optimizer)
+
+
+if full_bf16:
+    import torch
+
+    trainer, opt = train(make_model(lora=False).to(torch.bfloat16), bf16=True)
     result["optimizer"] = type(opt).__name__
     result["param_dtypes"] = sorted({str(p.dtype) for p in trainer.model.parameters()})
     result["param_rounding"] = sorted({g["param_rounding"] for g in opt.param_groups})
@@ -67,25 +72,12 @@ if full_bf16:
 
 # A short run through Unsloth's trainer, with embedding_learning_rate so UnslothTrainer builds its own param groups
 # (a trained copy of the embeddings gets the embedding learning rate).
-model = make_model(modules_to_save=["embed_tokens"])
-config = UnslothTrainingArguments(
-    **common,
-    optim="apexw_8bit",
-    optim_args="engine=torch",
-    max_steps=3,
-    per_device_train_batch_size=4,
-    logging_steps=1,
-    learning_rate=1e-2,
+trainer, opt = train(
+    make_model(modules_to_save=["embed_tokens"]),
     embedding_learning_rate=1e-3,
     lr_scheduler_type="constant",
     weight_decay=0.01,
-    max_length=32,
-    dataset_text_field="text",
-    disable_tqdm=True,
 )
-trainer = UnslothTrainer(model=model, args=config, train_dataset=text_dataset(), processing_class=make_tokenizer())
-trainer.train()
-opt = unwrap_optimizer(trainer.optimizer)
 result["optimizer"] = type(opt).__name__
 result["groups"] = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups)
 result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
