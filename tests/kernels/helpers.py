@@ -4,23 +4,11 @@ import torch
 
 from apexw_hf.kernels import INTERPRETED
 
+from ..optim.helpers import same_bits  # noqa: F401  (the kernel tests import it from here)
+
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
 SHAPES = [(1,), (255,), (256,), (257,), (4095,), (4097,), (33, 65)]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-equal, except that any NaN matches any NaN (payloads differ between CPU and CUDA conversions)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.dtype.is_floating_point:
-        return torch.equal(a, b)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(na, nb):
-        return False
-    ia = a.view({2: torch.int16, 4: torch.int32}[a.element_size()])
-    ib = b.view({2: torch.int16, 4: torch.int32}[b.element_size()])
-    return torch.equal(ia[~na], ib[~nb])
 
 
 def mismatch(a: torch.Tensor, b: torch.Tensor) -> str:

@@ -39,3 +39,20 @@ def lora_3b_shapes():
         for fan_in, fan_out in dims.values():
             shapes += [(16, fan_in), (fan_out, 16)]
     return shapes
+
+
+_INT_VIEW = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, except that any NaN matches any NaN (IEEE leaves the sign and payload of NaN to the hardware, and
+    they differ between CPU and CUDA conversions)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    na, nb = torch.isnan(a), torch.isnan(b)
+    if not torch.equal(na, nb):
+        return False
+    bits = _INT_VIEW[a.element_size()]
+    return torch.equal(a.view(bits)[~na], b.view(bits)[~nb])

@@ -15,27 +15,14 @@ import torch
 from apexw_hf import ApexW, reference
 from apexw_hf.optim import torch_engine, torch_passes
 
-from .helpers import FORMATS, SHAPES
+from .helpers import FORMATS, SHAPES, same_bits
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-_BITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(torch_engine, "CHUNK", 4096)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.dtype.is_floating_point:
-        return torch.equal(a, b)
-    na, nb = torch.isnan(a), torch.isnan(b)
-    if not torch.equal(na, nb):
-        return False
-    bits = _BITS[a.element_size()]
-    return torch.equal(a.view(bits)[~na], b.view(bits)[~nb])
 
 
 @torch.no_grad()
