@@ -74,6 +74,8 @@ def speed_table() -> str:
     found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"}
     runs = {o: found[o] for o in _order(folder, found)}
     base = runs.get(BASE_GPU)
+    if base is None:  # the ratios and the set-up line are relative to the reference run
+        return f"(`{folder.relative_to(ROOT)}` has no finished `{BASE_GPU}` run: no table)\n"
     lines = [
         f"{_env_line(list(runs.values()), folder)}. Llama-3.2-1B shapes ({base['trainable_params']:,} parameters), "
         f"every sample padded to {_grid(folder)['data']['pad_to_multiple_of']} tokens, batch "
@@ -163,7 +165,8 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
         head,
         "|---|" + "---:|" * (len(lrs) + 3),
     ]
-    base_best = {r["seed"]: r for r in runs if r["optimizer"] == base and r["learning_rate"] == best[base]["lr"]}
+    base_lr = best[base]["lr"] if base in best else None  # no baseline run: every test cell says n too small
+    base_best = {r["seed"]: r for r in runs if r["optimizer"] == base and r["learning_rate"] == base_lr}
     for o in opts:
         cells = []
         for lr in lrs:
