@@ -47,7 +47,7 @@ def _fsdp_train(rank, world, store, out, fmt):
             "params": w.gathered_params(model),
         },
     )
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -110,7 +110,7 @@ def _fsdp_resume(rank, world, store, out, fmt, full):
     w.train(model2, opt2, data[7:])
     resumed = w.gathered_params(model2)
     w.save_result(out, rank, {"equal": all(torch.equal(a, b) for a, b in zip(unbroken, resumed))})
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])
@@ -128,7 +128,7 @@ def _ddp_train(rank, world, store, out, fmt):
     opt = ApexW(model.parameters(), lr=3e-3, state_format=fmt)
     losses = w.train(model, opt, w.batches(20, rank, world))
     w.save_result(out, rank, {"losses": losses, "params": w.gathered_params(model)})
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("fmt", ["8bit"])
@@ -151,7 +151,7 @@ def _save_sharded(rank, world, store, out, fmt, ckpt):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
     full = {k: v.full_tensor() for k, v in opt.state[next(model.parameters())].items() if k.startswith("exp_avg")}
     w.save_result(out, rank, full)
-    dist.destroy_process_group()
+    w.finish()
 
 
 def _load_sharded(rank, world, store, out, fmt, ckpt):
@@ -176,7 +176,7 @@ def _load_sharded(rank, world, store, out, fmt, ckpt):
     }
     losses = w.train(model, opt, w.batches(5, rank, world))
     w.save_result(out, rank, {"state": state, "losses": losses})
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("fmt", ["compact", "8bit"])
@@ -204,7 +204,7 @@ def _fsdp_engines(rank, world, store, out, fmt):
         w.train(model, opt, w.batches(3, rank, world))
         result[engine] = w.gathered_params(model)
     w.save_result(out, rank, result)
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("fmt", ["8bit", "compact"])
@@ -230,7 +230,7 @@ def _fsdp_convert(rank, world, store, out):
     losses = w.train(model, opt8, w.batches(3, rank, world))
     w.save_result(out, rank, {"dtype": str(state["exp_avg"].dtype), "block_shards": state["block_shards"],
                               "finite": all(x == x for x in losses)})  # fmt: skip
-    dist.destroy_process_group()
+    w.finish()
 
 
 def test_fsdp2_state_converts_between_formats_on_shards():

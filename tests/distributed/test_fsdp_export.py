@@ -46,8 +46,7 @@ def _export_and_continue(rank, world, store, out, fmt):
         w.train(model, opt, data[3:])
         runs[name] = w.gathered_params(model)
     w.save_result(out, rank, runs)
-    dist.barrier()  # neither rank tears gloo down while the other may still be in a collective
-    dist.destroy_process_group()
+    w.finish()
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "8bit"])
