@@ -20,19 +20,29 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
 * ``fp32``: exact.
 * ``compact``: bf16, written with stochastic rounding (16 random bits added below the bf16 mantissa, then
   truncated), so ``v`` keeps decaying at ``beta2 = 0.999``, where round-to-nearest would freeze it.
-* ``8bit``: blocks of :data:`BLOCK` elements along the flattened tensor, one bf16 scale per block and moment (the
-  block's absolute maximum rounded up to bf16). ``m`` is an int8 code ``c`` in [-127, 127] decoding to
-  ``sign(c) * (|c|/127)**2 * scale``; ``v`` is a uint8 code in [0, 255] decoding to ``(c/255)**4 * scale``. A value
-  ``y`` (normalized by the scale) lies between the decoded values of two neighbouring codes: ``lo``, the largest
-  code decoding to at most ``y``, and ``lo + 1``. The code is chosen between them by stochastic rounding with
-  probabilities that make the decoded value unbiased. Zero encodes to code 0 exactly, and a nonzero ``v`` never
-  encodes to 0 (it would turn the next update into ``m / eps``).
+* ``8bit`` (format version 2): blocks of :data:`BLOCK` elements along the flattened tensor, one bf16 scale per
+  block and moment (the block's absolute maximum rounded up to bf16); each element's magnitude, normalized by the
+  scale to ``y`` in [0, 1], is stored as an unsigned minifloat code with 4 exponent bits, exponent bias 15 and no
+  infinities: ``m`` as sign + e4m3 (uint8: bit 7 the sign, bits 0-6 the magnitude code, largest used 120 = 1.0),
+  ``v`` as e4m4 (uint8, largest used 240 = 1.0). Codes below ``2**mant`` are the subnormals ``code * 2**(-14 - mant)``
+  (down to 2**-17 for ``m``, 2**-18 for ``v``), the others ``2**(e - 15) * (1 + f / 2**mant)``. Encoding is integer
+  work on the fp32 bits of ``y`` (of ``y + 2**-14`` for subnormals): add random bits below the kept mantissa, shift,
+  subtract the exponent offset. That rounds stochastically and unbiased (to the resolution of the random bits; a
+  half unit is added below them, so the leftover error is at most half a step of that resolution and averages out),
+  keeps exactly representable values exact, encodes zero as code 0, and a nonzero ``v`` never gets code 0 (it would
+  turn the next update into ``m / eps``). Decoding builds the fp32 bits of the code value and multiplies by the
+  scale. Format version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``, chosen by a table search) is read only
+  to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
 
-Stochastic rounding of both moments draws on one 32-bit random word per element: its top 16 bits round ``m``, its
-low 16 bits round ``v``.
+Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
+``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. In ``8bit``, bits 0-9 round ``v`` (10 bits:
+with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
+``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
+hashes one word per element instead of two.
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
-switches to round-to-nearest-even).
+switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
+(the moments' word, above).
 """
 
 from __future__ import annotations
@@ -64,6 +74,11 @@ __all__ = [
     "quantize_v",
     "dequantize_v",
     "num_blocks",
+    "minifloat_code",
+    "minifloat_value",
+    "dequantize_m_v1",
+    "dequantize_v_v1",
+    "param_stream",
     "load_moments",
     "store_moments",
     "adamw_step_ref_",
@@ -268,6 +283,96 @@ def _normalized(x_abs_blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), torch.zeros_like(y), y)
 
 
+# Format version 2: minifloat codes. Both codes have 4 exponent bits with bias 15, so 1.0 (the block maximum) is the
+# code of exponent 15 and mantissa 0, and the subnormals (exponent 0) continue the lowest binade [2**-14, 2**-13)
+# linearly down to zero.
+M_MANT, V_MANT = 3, 4  # mantissa bits of the m (sign + e4m3) and v (e4m4) codes
+M_SIGN = 128  # the sign bit of an m code
+M_CODE_MAX, V_CODE_MAX = 120, 240  # the codes of 1.0
+MIN_NORMAL = 2.0**-14
+_EXP_OFFSET = 127 - 15  # fp32 exponent field of code exponent 0
+M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
+V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
+
+
+def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:
+    """``nbits`` random bits (``bits >> shift``) placed at the top of the ``drop`` low bits, plus half a unit below
+    them: added before the ``drop`` bits are cut, the code rounds up with probability equal to the dropped fraction
+    rounded to ``nbits`` bits (so exactly representable values never move)."""
+    r = (bits >> shift) & ((1 << nbits) - 1)
+    return (r << (drop - nbits)) | (1 << (drop - nbits - 1))
+
+
+def minifloat_code(y: torch.Tensor, rand_offset: torch.Tensor, mant: int) -> torch.Tensor:
+    """Stochastically rounded unsigned minifloat code (int64) of ``y`` in [0, 1] (fp32, no NaN); ``mant`` mantissa
+    bits, ``rand_offset`` from :func:`_rand_offset` with ``drop = 23 - mant``.
+
+    Normal values (``y >= 2**-14``) are coded on their own fp32 bits: add the offset, cut the low ``23 - mant`` bits
+    (a carry steps into the next binade), subtract the exponent offset. A subnormal ``y`` is first moved to
+    ``y + 2**-14`` (an exact fp32 addition up to its bits below 2**-37) and its exponent lowered by one, which puts
+    its multiple of ``2**(-14 - mant)`` in the kept mantissa bits.
+    """
+    drop = 23 - mant
+    x = y.view(torch.int32).to(torch.int64)
+    sub = (y + MIN_NORMAL).view(torch.int32).to(torch.int64) - (1 << 23)
+    x = torch.where(y >= MIN_NORMAL, x, sub)
+    return ((x + rand_offset) >> drop) - (_EXP_OFFSET << mant)
+
+
+def minifloat_value(code: torch.Tensor, mant: int) -> torch.Tensor:
+    """fp32 value of unsigned minifloat codes (integer tensor, any code in [0, 2**(4 + mant)))."""
+    drop = 23 - mant
+    c = code.to(torch.int64)
+    normal = ((c + (_EXP_OFFSET << mant)) << drop).to(torch.int32).view(torch.float32)
+    # a subnormal code c is (2**-14 + c * 2**(-14 - mant)) - 2**-14, both steps exact
+    sub = (((c + ((_EXP_OFFSET + 1) << mant)) << drop).to(torch.int32).view(torch.float32)) - MIN_NORMAL
+    return torch.where(c >= (1 << mant), normal, sub)
+
+
+def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 first moment -> (uint8 sign + e4m3 codes shaped like ``m``, bf16 scales of shape (num_blocks,)).
+
+    ``bits``: the 32-bit random word per element; bits 10-15 round ``m``.
+    """
+    n = m.numel()
+    mb = _blocks(m)
+    scale, inv = _scale(mb.abs())
+    y = _normalized(mb.abs(), inv)
+    r = _rand_offset(_blocks(bits), M_RAND_SHIFT, M_RAND_BITS, 23 - M_MANT)
+    c = minifloat_code(y, r, M_MANT) | torch.where(mb < 0, M_SIGN, 0)
+    return c.reshape(-1)[:n].to(torch.uint8).view(m.shape), scale
+
+
+def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    c = _blocks(codes.to(torch.int64))
+    a = minifloat_value(c & (M_SIGN - 1), M_MANT)
+    m = torch.where(c >= M_SIGN, -a, a) * scale.float()[:, None]
+    return m.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+def quantize_v(v: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 second moment (>= 0) -> (uint8 e4m4 codes shaped like ``v``, bf16 scales of shape (num_blocks,)).
+
+    ``bits``: the 32-bit random word per element; bits 0-9 round ``v``.
+    """
+    n = v.numel()
+    vb = _blocks(v)
+    scale, inv = _scale(vb)
+    y = _normalized(vb, inv)
+    r = _rand_offset(_blocks(bits), V_RAND_SHIFT, V_RAND_BITS, 23 - V_MANT)
+    c = minifloat_code(y, r, V_MANT)
+    c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
+    return c.reshape(-1)[:n].to(torch.uint8).view(v.shape), scale
+
+
+def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    c = _blocks(codes.to(torch.int64))
+    v = minifloat_value(c, V_MANT) * scale.float()[:, None]
+    return v.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+# Format version 1 (read only, to convert checkpoints written before version 2): int8 m codes c in [-127, 127]
+# decoding to sign(c) * (|c|/127)**2 * scale, uint8 v codes to (c/255)**4 * scale.
 def _q2(c: torch.Tensor) -> torch.Tensor:
     t = c * INV127
     return t * t
@@ -279,63 +384,16 @@ def _q4(c: torch.Tensor) -> torch.Tensor:
     return t2 * t2
 
 
-_Q2_TABLE = _q2(torch.arange(128, dtype=torch.float32))  # decoded |m| of every code, increasing
-_Q4_TABLE = _q4(torch.arange(256, dtype=torch.float32))
-
-
-def _lower_code(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """The largest code whose decoded value is ``<= y``, at most the second-largest code (as fp32).
-
-    The kernels find it with an approximate root and one comparison (``kernels._quant.lower_code``).
-    """
-    lo = torch.searchsorted(table.to(y.device), y.contiguous(), right=True) - 1
-    return torch.clamp(lo, 0, table.numel() - 2).to(torch.float32)
-
-
-def _stochastic_code(y: torch.Tensor, lo: torch.Tensor, q, u: torch.Tensor) -> torch.Tensor:
-    """Pick lo or lo+1 so that the decoded value is y on average."""
-    qlo = q(lo)
-    qhi = q(lo + 1.0)
-    return lo + ((u * (qhi - qlo)) < (y - qlo)).to(torch.float32)
-
-
-def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 first moment -> (int8 codes shaped like ``m``, bf16 scales of shape (num_blocks,)).
-
-    ``bits``: 32 random bits per element, of which the top 16 are used.
-    """
-    n = m.numel()
-    mb = _blocks(m)
-    a = mb.abs()
-    scale, inv = _scale(a)
-    y = _normalized(a, inv)
-    c = _stochastic_code(y, _lower_code(y, _Q2_TABLE), _q2, _uniform16(_blocks(bits) >> 16))
-    c = torch.where(mb < 0, -c, c)
-    return c.reshape(-1)[:n].to(torch.int8).view(m.shape), scale
-
-
-def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_m_v1(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 first moment of format version 1 (int8 codes)."""
     c = _blocks(codes.to(torch.float32))
     m = _q2(c.abs()) * scale.float()[:, None]
     m = torch.where(c < 0, -m, m)
     return m.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
-def quantize_v(v: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 second moment (>= 0) -> (uint8 codes shaped like ``v``, bf16 scales of shape (num_blocks,)).
-
-    ``bits``: 32 random bits per element, of which the low 16 are used.
-    """
-    n = v.numel()
-    vb = _blocks(v)
-    scale, inv = _scale(vb)
-    y = _normalized(vb, inv)
-    c = _stochastic_code(y, _lower_code(y, _Q4_TABLE), _q4, _uniform16(_blocks(bits) & 0xFFFF))
-    c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
-    return c.reshape(-1)[:n].to(torch.uint8).view(v.shape), scale
-
-
-def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def dequantize_v_v1(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 second moment of format version 1 (uint8 codes)."""
     c = _blocks(codes.to(torch.float32))
     v = _q4(c) * scale.float()[:, None]
     return v.reshape(-1)[: codes.numel()].view(codes.shape)
@@ -347,10 +405,17 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``."""
+    """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``.
+
+    ``fmt`` may also be ``"8bit_v1"``, the 8-bit codes of format version 1 (read only).
+    """
     if fmt == "8bit":
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
         v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+        return m.view(shape), v.view(shape)
+    if fmt == "8bit_v1":
+        m = dequantize_m_v1(state["exp_avg"], state["exp_avg_scale"])
+        v = dequantize_v_v1(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
     return state["exp_avg"].float(), state["exp_avg_sq"].float()
 
@@ -358,8 +423,8 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
 def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
     """Encode fp32 moments into the (preallocated) state tensors of format ``fmt``, in place.
 
-    ``key``: the moments' random stream (``stream_key(..., STREAM_MV)``); the top 16 bits of each element's random
-    word round ``m``, the low 16 bits round ``v``.
+    ``key``: the moments' random stream (``stream_key(..., STREAM_MV)``); which bits of each element's random word
+    round ``m`` and ``v`` depends on the format (see the module's docstring).
     """
     if fmt == "fp32":
         state["exp_avg"].copy_(m)
@@ -376,6 +441,12 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
     state["exp_avg_scale"].copy_(sm)
     state["exp_avg_sq"].copy_(cv)
     state["exp_avg_sq_scale"].copy_(sv)
+
+
+def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
+    """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` state (its top 16
+    bits, which the 8-bit codes leave unused), else a stream of its own."""
+    return STREAM_MV if fmt == "8bit" and param_dtype == torch.bfloat16 else STREAM_P
 
 
 def adamw_step_ref_(
@@ -414,6 +485,7 @@ def adamw_step_ref_(
     p = param.float() * s.decay - (m / denom) * s.step_size
     bits_p = None
     if param.dtype != torch.float32 and param_rounding == "stochastic":
-        bits_p = hash_uniform_bits(p.numel(), stream_key(seed, tensor_index, step, STREAM_P), p.device).view(p.shape)
+        key_p = stream_key(seed, tensor_index, step, param_stream(fmt, param.dtype))
+        bits_p = hash_uniform_bits(p.numel(), key_p, p.device).view(p.shape)
     param.copy_(round_param(p, param.dtype, bits_p))
     store_moments(state, fmt, m, v, stream_key(seed, tensor_index, step, STREAM_MV))

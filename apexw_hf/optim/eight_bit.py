@@ -8,11 +8,13 @@ from .base import ApexW
 class ApexW8bit(ApexW):
     """:class:`~apexw_hf.ApexW` with ``state_format="8bit"``.
 
-    Each moment is one byte per element plus one bf16 scale per block of 256 elements: ``m`` as an int8 code with
-    square-root companding, ``v`` as a uint8 code with fourth-root companding (wide dynamic range), both chosen by
-    unbiased stochastic rounding. Zero is stored exactly and a nonzero ``v`` is never stored as zero. Block-wise
-    quantization of Adam states follows Dettmers et al. (2022), "8-bit Optimizers via Block-wise Quantization";
-    the companding and the unbiased rounding are this project's format (see :mod:`apexw_hf.reference`).
+    Each moment is one byte per element plus one bf16 scale per block of 256 elements: the value divided by its
+    block's scale is stored as a small floating-point code, ``m`` as sign + 4 exponent + 3 mantissa bits, ``v`` as 4
+    exponent + 4 mantissa bits (both reach 2**-17 / 2**-18 of the block maximum), chosen by unbiased stochastic
+    rounding. Zero is stored exactly and a nonzero ``v`` is never stored as zero. Block-wise quantization of Adam
+    states follows Dettmers et al. (2022), "8-bit Optimizers via Block-wise Quantization"; the codes, their integer
+    encoding and the unbiased rounding are this project's format, version 2 (see :mod:`apexw_hf.reference`; state
+    dicts of version 1 are converted on loading).
 
     Example:
         >>> import torch

@@ -8,13 +8,18 @@ format     tensors                      bytes per parameter
 =========  ===========================  ==============================================================
 fp32       exp_avg, exp_avg_sq: fp32    8
 compact    exp_avg, exp_avg_sq: bf16    4
-8bit       exp_avg: int8 codes,         2, plus 2 * 2 bytes of bf16 scales per block of
+8bit       exp_avg: uint8 codes,        2, plus 2 * 2 bytes of bf16 scales per block of
            exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements
            exp_avg_scale,
            exp_avg_sq_scale: bf16
 =========  ===========================  ==============================================================
 
 The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted).
+
+The 8-bit codes are of format version 2 (``reference.py``); the dtype of ``exp_avg`` says which version a state
+entry holds: uint8 (sign + e4m3 minifloat) is version 2, int8 (``(c/127)**2``) is version 1, written before version
+2 existed. A version-1 entry is converted on load (decoded, then re-encoded with the random stream of its step, so
+deterministically) and reported as ``"8bit_v1"`` by :func:`state_format_of`.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, **kw)
     elif fmt == "8bit":
         nb = ref.num_blocks(p.numel())
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.int8, **kw)
+        state["exp_avg"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
@@ -52,13 +57,14 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
 
 
 def state_format_of(state: dict) -> str | None:
-    """The format a state dict entry is stored in: one of the formats, ``"float"`` for moments of another float
-    dtype (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for
-    an empty entry."""
+    """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
+    version 1 (int8 ``exp_avg``; always converted), ``"float"`` for moments of another float dtype
+    (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
+    empty entry."""
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
-        return "8bit"
+        return "8bit_v1" if getattr(state["exp_avg"], "dtype", None) == torch.int8 else "8bit"
     dtypes = {state["exp_avg"].dtype, state["exp_avg_sq"].dtype}
     if dtypes == {torch.bfloat16}:
         return "compact"
@@ -69,8 +75,8 @@ def state_format_of(state: dict) -> str | None:
 
 def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
     """Raise ``ValueError`` unless the moments to convert fit ``p`` (8-bit: exactly its layout)."""
-    if src == "8bit":
-        check_state(state, p, "8bit")
+    if src in ("8bit", "8bit_v1"):
+        check_state(state, p, src)
         if dt.is_dtensor(p):
             dt.check_block_shards(state, p)
         return
@@ -87,9 +93,14 @@ def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
 
 def _layout(p: torch.Tensor, fmt: str) -> dict:
     """(dtype, global shape) of each state tensor of format ``fmt`` for ``p``."""
-    dtypes = {"fp32": (torch.float32,) * 2, "compact": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}
+    dtypes = {
+        "fp32": (torch.float32,) * 2,
+        "compact": (torch.bfloat16,) * 2,
+        "8bit": (torch.uint8, torch.uint8),
+        "8bit_v1": (torch.int8, torch.uint8),
+    }
     out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in dtypes[fmt])))
-    if fmt == "8bit":
+    if fmt in ("8bit", "8bit_v1"):
         nb = dt.max_local_blocks(p) * dt.shard_count(p) if dt.is_dtensor(p) else ref.num_blocks(p.numel())
         out.update({k: (torch.bfloat16, torch.Size([nb])) for k in SCALE_KEYS})
     return out

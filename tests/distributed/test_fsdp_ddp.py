@@ -235,4 +235,4 @@ def _fsdp_convert(rank, world, store, out):
 
 def test_fsdp2_state_converts_between_formats_on_shards():
     for r in _spawn(_fsdp_convert, 2):
-        assert r == {"dtype": "torch.int8", "block_shards": 2, "finite": True}
+        assert r == {"dtype": "torch.uint8", "block_shards": 2, "finite": True}

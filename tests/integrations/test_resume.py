@@ -10,7 +10,7 @@ from apexw_hf.accounting import unwrap_optimizer
 from .tiny import NAMES, make_model, token_dataset, train_kwargs
 
 EXPECTED_DTYPES = {
-    "apexw_8bit": {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8},
+    "apexw_8bit": {"exp_avg": torch.uint8, "exp_avg_sq": torch.uint8},
     "apexw_compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
 }
 

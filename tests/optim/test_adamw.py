@@ -144,5 +144,5 @@ def test_group_format_override():
     emb.grad, lin.grad = torch.randn(100, 8), torch.randn(8, 8)
     opt.step()
     assert opt.state[emb]["exp_avg"].dtype == torch.float32
-    assert opt.state[lin]["exp_avg"].dtype == torch.int8
+    assert opt.state[lin]["exp_avg"].dtype == torch.uint8
     assert opt.state_bytes() == 100 * 8 * 8 + 4 + 64 * 2 + 2 * 2 + 4

@@ -120,5 +120,5 @@ def test_state_bytes_on_lora_llama_3b_set(fmt, expected):
 def test_8bit_state_of_tiny_tensors_is_quantized():
     p = torch.nn.Parameter(torch.randn(3))
     s = st.init_state(p, "8bit")
-    assert s["exp_avg"].dtype == torch.int8 and s["exp_avg_scale"].numel() == 1
+    assert s["exp_avg"].dtype == torch.uint8 and s["exp_avg_scale"].numel() == 1
     assert st.state_tensor_bytes(s) == 4 + 3 + 3 + 2 + 2

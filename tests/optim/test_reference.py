@@ -70,7 +70,7 @@ def test_bf16_round_up():
 
 
 @pytest.mark.parametrize("n", [1, 255, 256, 257, 4097])
-def test_8bit_codes_zero_exact_and_unbiased(n):
+def test_8bit_codes_zero_exact_and_within_one_code(n):
     torch.manual_seed(n)
     m = torch.randn(n) * torch.logspace(-6, 0, n)
     m[::7] = 0.0
@@ -79,31 +79,99 @@ def test_8bit_codes_zero_exact_and_unbiased(n):
     keyed = lambda s: ref.hash_uniform_bits(n, ref.stream_key(3, 0, 5, s), "cpu")
     cm, sm = ref.quantize_m(m, keyed(ref.STREAM_MV))
     cv, sv = ref.quantize_v(v, keyed(ref.STREAM_MV))
-    assert cm.dtype == torch.int8 and cv.dtype == torch.uint8 and cm.shape == m.shape
+    assert cm.dtype == torch.uint8 and cv.dtype == torch.uint8 and cm.shape == m.shape
     assert sm.dtype == torch.bfloat16 and sm.shape == (ref.num_blocks(n),)
     dm, dv = ref.dequantize_m(cm, sm), ref.dequantize_v(cv, sv)
     assert torch.equal(dm[m == 0], m[m == 0]) and (cm[m == 0] == 0).all()
     assert (cv[v > 0] > 0).all(), "a nonzero v must never be stored as zero"
-    assert (cm.abs() <= 127).all()
-    assert (torch.sign(dm) * torch.sign(m) >= 0).all()
-    # each element decodes to one of its two neighbouring code values: error below one code step of the block max
-    blk_max = lambda x: ref._blocks(x.abs()).amax(1).repeat_interleave(ref.BLOCK)[:n]
-    assert ((dm - m).abs() <= blk_max(m) * (2 / 127) + 1e-30).all()
-    assert ((dv - v).abs() <= blk_max(v) * (4 / 255) + 1e-30).all()
+    assert (cm & 127 <= ref.M_CODE_MAX).all() and (cv <= ref.V_CODE_MAX).all()
+    assert torch.equal(cm >= 128, m < 0)
+    # each element decodes to one of the two code values around it: |error| below one code step there, i.e. 1/8
+    # (m) or 1/16 (v) of the value in the normal range, 2**-17 (m) or 2**-18 (v) of the block scale below it (a tiny
+    # nonzero v goes up to the smallest code)
+    per_elem = lambda s: s.double().repeat_interleave(ref.BLOCK)[:n]
+    for d, x, mant, s in ((dm, m, ref.M_MANT, sm), (dv, v, ref.V_MANT, sv)):
+        bound = torch.maximum(x.abs().double() * 2.0**-mant, per_elem(s) * 2.0 ** (-14 - mant)) * 1.0001
+        assert ((d.double() - x.double()).abs() <= bound).all()
 
 
-def test_8bit_rounding_is_unbiased_on_average():
-    n = 256 * 400
-    m = torch.full((n,), 0.3)
-    m[::256] = 1.0  # block max 1.0, so 0.3 falls between two codes
-    v = m * m
-    bits = lambda s: ref.hash_uniform_bits(n, ref.stream_key(0, 0, 1, s), "cpu")
-    dm = ref.dequantize_m(*ref.quantize_m(m, bits(ref.STREAM_MV)))
-    dv = ref.dequantize_v(*ref.quantize_v(v, bits(ref.STREAM_MV)))
-    sel = m == 0.3
-    assert len(dm[sel].unique()) == 2
-    assert abs(dm[sel].double().mean().item() / 0.3 - 1) < 2e-3
-    assert abs(dv[sel].double().mean().item() / 0.09 - 1) < 2e-3
+def test_minifloat_codes_round_trip_and_order():
+    for mant, top in ((ref.M_MANT, ref.M_CODE_MAX), (ref.V_MANT, ref.V_CODE_MAX)):
+        codes = torch.arange(2 ** (4 + mant))
+        vals = ref.minifloat_value(codes, mant)
+        assert (vals[1:] > vals[:-1]).all() and vals[0] == 0 and vals[top] == 1.0
+        assert vals[1] == 2.0 ** (-14 - mant) and vals[2**mant] == 2.0**-14  # subnormal step, smallest normal
+        for word in (0, 0xFFFFFFFF, 0x12345678):  # exact code values never move, whatever the random bits
+            w = torch.full(codes.shape, word, dtype=torch.int64)
+            shift, nbits = (ref.M_RAND_SHIFT, ref.M_RAND_BITS) if mant == ref.M_MANT else (ref.V_RAND_SHIFT, ref.V_RAND_BITS)
+            got = ref.minifloat_code(vals[: top + 1], ref._rand_offset(w[: top + 1], shift, nbits, 23 - mant), mant)
+            assert torch.equal(got, codes[: top + 1])
+
+
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_8bit_rounding_is_unbiased_across_the_range(moment):
+    """Every level between two codes, normal and subnormal: the decoded mean over many random words is the value,
+    to half a step of the random bits' resolution (2**-7 of a code for m, 2**-11 for v) plus sampling noise."""
+    mant, nbits = (ref.M_MANT, ref.M_RAND_BITS) if moment == "m" else (ref.V_MANT, ref.V_RAND_BITS)
+    reps = 4096
+    # (below the smallest code, v is not unbiased: a nonzero v is never coded 0, so it starts at 1.5 codes)
+    lowest = 2.0 ** (-14 - mant) * (0.5 if moment == "m" else 1.5)
+    levels = torch.tensor([0.3, 0.7071, 2.0**-14 * 1.37, 2.0**-14 * 0.41, lowest, 1e-3])
+    x = levels.repeat_interleave(reps)
+    x = torch.cat([torch.ones(1), x])  # block scales: 1.0 in the first block, the others hold their own max
+    x = torch.cat([x, torch.zeros(-x.numel() % ref.BLOCK)])
+    x.view(-1, ref.BLOCK)[:, 0] = 1.0
+    bits = ref.hash_uniform_bits(x.numel(), ref.stream_key(0, 0, 1, ref.STREAM_MV), "cpu")
+    q, dq = (ref.quantize_m, ref.dequantize_m) if moment == "m" else (ref.quantize_v, ref.dequantize_v)
+    d = dq(*q(x, bits)).double()
+    vals = ref.minifloat_value(torch.arange(2 ** (4 + mant)), mant).double()
+    for lv in levels.tolist():
+        sel = (x == lv) & (torch.arange(x.numel()) % ref.BLOCK != 0)
+        hi = int(torch.searchsorted(vals, torch.tensor(lv, dtype=torch.float64)))
+        step = (vals[hi] - vals[hi - 1]).item()
+        got = d[sel].mean().item()
+        assert len(d[sel].unique()) <= 2
+        assert abs(got - lv) <= step * (2.0 ** -(nbits + 1) + 4 * 0.5 / sel.sum().item() ** 0.5), (lv, got)
+
+
+def test_8bit_v1_codes_still_decode():
+    """Format version 1 (read only, for old checkpoints): int8 m codes (c/127)**2, uint8 v codes (c/255)**4."""
+    cm = torch.tensor([0, 127, -127, 64, -1], dtype=torch.int8)
+    cv = torch.tensor([0, 255, 1, 128, 17], dtype=torch.uint8)
+    s = torch.tensor([2.0], dtype=torch.bfloat16)
+    dm, dv = ref.dequantize_m_v1(cm, s), ref.dequantize_v_v1(cv, s)
+    want_m = [0.0, 2.0, -2.0, 2 * (64 * ref.INV127) ** 2, -2 * ref.INV127**2]
+    want_v = [0.0, 2.0, 2 * ref.INV255**4, 2 * (128 * ref.INV255) ** 4, 2 * (17 * ref.INV255) ** 4]
+    assert torch.allclose(dm.double(), torch.tensor(want_m, dtype=torch.float64), rtol=1e-6, atol=0)
+    assert torch.allclose(dv.double(), torch.tensor(want_v, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+def test_bf16_params_with_8bit_state_share_the_moments_word():
+    """bf16 parameters with 8-bit state round with the top 16 bits of the moments' word (no second hash); other
+    combinations keep the parameter's own stream."""
+    assert ref.param_stream("8bit", torch.bfloat16) == ref.STREAM_MV
+    for fmt, dtype in (("8bit", torch.float16), ("compact", torch.bfloat16), ("fp32", torch.bfloat16)):
+        assert ref.param_stream(fmt, dtype) == ref.STREAM_P
+    torch.manual_seed(0)
+    p = torch.randn(300).to(torch.bfloat16)
+    g = torch.randn(300) * 1e-3
+    s = ref.StepScalars.make(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    state = {
+        "exp_avg": torch.zeros(300, dtype=torch.uint8),
+        "exp_avg_sq": torch.zeros(300, dtype=torch.uint8),
+        "exp_avg_scale": torch.zeros(2, dtype=torch.bfloat16),
+        "exp_avg_sq_scale": torch.zeros(2, dtype=torch.bfloat16),
+    }
+    out = p.clone()
+    ref.adamw_step_ref_(out, g, state, fmt="8bit", scalars=s, seed=5, tensor_index=2, step=1)
+    # the same update rounded with the moments' word by hand
+    m = g * s.one_minus_beta1
+    v = (g * g) * s.one_minus_beta2
+    x = p.float() * s.decay - (m / (ref.sqrt_rn(v) * s.inv_bc2_sqrt + s.eps)) * s.step_size
+    word = ref.hash_uniform_bits(300, ref.stream_key(5, 2, 1, ref.STREAM_MV), "cpu")
+    assert torch.equal(out.view(torch.int16), ref.round_to_bf16_stochastic(x, word).view(torch.int16))
+    other = ref.hash_uniform_bits(300, ref.stream_key(5, 2, 1, ref.STREAM_P), "cpu")
+    assert not torch.equal(out.view(torch.int16), ref.round_to_bf16_stochastic(x, other).view(torch.int16))
 
 
 def test_8bit_nan_scale_stays_in_its_block():
