@@ -1,18 +1,20 @@
-"""How much noise stochastic rounding leaves in the 8-bit second moment, for the shipped code and candidate formats.
+"""How much noise stochastic rounding leaves in the 8-bit moments: the shipped codes (format version 2), the codes of
+version 1, and candidate formats.
 
-Each element's squared gradient is held constant (levels spread over four decades below its block's maximum), v
-runs 3,000 AdamW updates at beta2 = 0.999 and is re-encoded after each, as in training; printed: the relative
-standard deviation (and mean) of the decoded v around its exact value, per decade of v / block max. Candidate codes
-are unsigned minifloats eEmM on the block-normalized value (scale = block absmax rounded up to bf16, as shipped),
-with the same value-unbiased stochastic choice between neighbouring codes and nonzero v never coded 0.
+Each element's input (g for m, g**2 for v) is held constant at levels spread over four decades below its block's
+maximum; the moment runs 3,000 AdamW updates (beta1 = 0.9 for m, beta2 = 0.999 for v) and is re-encoded after each,
+as in training; printed: the relative standard deviation (and mean) of the decoded moment around its exact value, per
+decade of value / block max. Candidate codes are unsigned minifloats eEmM on the block-normalized value (scale =
+block absmax rounded up to bf16, as shipped), chosen between neighbouring codes by a table search with 16 random bits.
 
     python scripts/probes/state_noise_study.py [--steps 3000]
     python scripts/probes/state_noise_study.py --sass   # instruction cost of the codecs on sm_90, compiled on the CPU
     python scripts/probes/state_noise_study.py --train  # small trainings (tests/optim/test_convergence.py's), 5 seeds
 
 This is a CPU study for the 8-bit format's design (docs/results/step_benchmark/step_h200_2026-11-30.notes.md):
-minifloat codes are cheaper to encode in the kernel than the 4th-root code, and this measures what they would cost in
-precision.
+minifloat codes are cheaper to encode in the kernel than the root-companded codes of version 1, and this measures
+what they cost in precision. ``--train`` steps every variant with ``reference.adamw_step_ref_`` per tensor (the
+engines run only the shipped codes).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def table_codec(table: torch.Tensor):
         vb = ref._blocks(v)
         scale, inv = ref._scale(vb)
         y = ref._normalized(vb, inv)
-        lo = ref._lower_code(y, table).long()
+        lo = (torch.searchsorted(table, y.contiguous(), right=True) - 1).clamp(0, table.numel() - 2)
         qlo, qhi = table[lo], table[lo + 1]
         u = ref._uniform16(ref._blocks(bits) & 0xFFFF)
         idx = lo + ((u * (qhi - qlo)) < (y - qlo)).long()
@@ -177,49 +179,97 @@ def sass_cost() -> None:
         print(f"{name:34s} {len(main_path) / 8:.1f} SASS instructions per element (main path)")
 
 
+# Format version 1 of the 8-bit codes (before the minifloat codes of version 2), encoded as it was specified then:
+# the largest code decoding to at most y, or the next one, chosen with 16 random bits (top 16 for m, low 16 for v).
+_V1_M_TABLE = ref._q2(torch.arange(128, dtype=torch.float32))
+_V1_V_TABLE = ref._q4(torch.arange(256, dtype=torch.float32))
+
+
+def _v1_code(y, table, u16):
+    lo = (torch.searchsorted(table, y.contiguous(), right=True) - 1).clamp(0, table.numel() - 2)
+    qlo, qhi = table[lo], table[lo + 1]
+    return lo + ((ref._uniform16(u16) * (qhi - qlo)) < (y - qlo)).long()
+
+
+def v1_quantize_m(m, bits):
+    mb = ref._blocks(m)
+    scale, inv = ref._scale(mb.abs())
+    c = _v1_code(ref._normalized(mb.abs(), inv), _V1_M_TABLE, ref._blocks(bits) >> 16)
+    c = torch.where(mb < 0, -c, c)
+    return c.reshape(-1)[: m.numel()].to(torch.int8).view(m.shape), scale
+
+
+def v1_quantize_v(v, bits):
+    vb = ref._blocks(v)
+    scale, inv = ref._scale(vb)
+    c = _v1_code(ref._normalized(vb, inv), _V1_V_TABLE, ref._blocks(bits) & 0xFFFF)
+    c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
+    return c.reshape(-1)[: v.numel()].to(torch.uint8).view(v.shape), scale
+
+
+CODECS = {
+    "v2 (shipped: e4m3 / e4m4 minifloats)": (ref.quantize_m, ref.dequantize_m, ref.quantize_v, ref.dequantize_v),
+    "v1 (root-companded codes)": (v1_quantize_m, ref.dequantize_m_v1, v1_quantize_v, ref.dequantize_v_v1),
+}
+
+
+class RefAdamW8bit(torch.optim.Optimizer):
+    """AdamW with 8-bit state stepped per tensor by ``reference.adamw_step_ref_``, with the codec swapped in for the
+    step: the study's way to train with a code the engines do not run (fp32 parameters only)."""
+
+    def __init__(self, params, codec, lr, weight_decay, seed=0):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.codec, self.seed = codec, seed
+
+    @torch.no_grad()
+    def step(self):
+        names = ("quantize_m", "dequantize_m", "quantize_v", "dequantize_v")
+        saved = [getattr(ref, n) for n in names]
+        for n, f in zip(names, self.codec):
+            setattr(ref, n, f)
+        try:
+            for group in self.param_groups:
+                for i, p in enumerate(group["params"]):
+                    if p.grad is None:
+                        continue
+                    st = self.state[p]
+                    if not st:
+                        m_dtype = torch.int8 if self.codec[0] is v1_quantize_m else torch.uint8
+                        nb = ref.num_blocks(p.numel())
+                        st.update(step=0, exp_avg=torch.zeros_like(p, dtype=m_dtype),
+                                  exp_avg_sq=torch.zeros_like(p, dtype=torch.uint8),
+                                  exp_avg_scale=torch.zeros(nb, dtype=torch.bfloat16),
+                                  exp_avg_sq_scale=torch.zeros(nb, dtype=torch.bfloat16))  # fmt: skip
+                    st["step"] += 1
+                    s = ref.StepScalars.make(lr=group["lr"], beta1=0.9, beta2=0.999, eps=1e-8,
+                                             weight_decay=group["weight_decay"], step=st["step"])  # fmt: skip
+                    ref.adamw_step_ref_(p, p.grad, st, fmt="8bit", scalars=s, seed=self.seed, tensor_index=i,
+                                        step=st["step"])  # fmt: skip
+        finally:
+            for n, f in zip(names, saved):
+                setattr(ref, n, f)
+
+
 def train_study(seeds=range(5)) -> None:
-    """Final losses of the convergence tests' two small trainings (longer) with torch AdamW, the shipped 8-bit state,
-    and the shipped state with an e4m4 v code swapped into the reference (the plain-PyTorch path)."""
+    """Final losses of the convergence tests' two small trainings (longer) with torch AdamW and with 8-bit state in
+    each code version, stepped by the reference (so the code under study is the one that runs)."""
     import statistics
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "optim"))
     from test_convergence import _teacher_student, _tiny_llama
 
-    from apexw_hf import ApexW
-
-    shipped = (ref.quantize_v, ref.dequantize_v)
-    quant, dequant = table_codec(minifloat_table(4, 4))
-
-    def quant44(v, bits):
-        idx, scale = quant(v, bits)
-        return idx.reshape(-1)[: v.numel()].to(torch.uint8).view(v.shape), scale
-
-    def dequant44(codes, scale):
-        return dequant(ref._blocks(codes.to(torch.float32)).long(), scale)[: codes.numel()].view(codes.shape)
-
-    def apexw(codec):
-        def make(params):
-            ref.quantize_v, ref.dequantize_v = codec
-            return ApexW(params, lr=3e-3, weight_decay=0.01, state_format="8bit", engine="torch")
-
-        return make
-
-    makers = {
-        "torch AdamW": lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
-        "8-bit, shipped v code": apexw(shipped),
-        "8-bit, e4m4 v code": apexw((quant44, dequant44)),
-    }
-    try:
-        for task, fn, steps in (("teacher-student MLP", _teacher_student, 300), ("tiny Llama", _tiny_llama, 120)):
-            for name, make in makers.items():
-                losses = [fn(s, make, steps=steps) for s in seeds]
-                mean, sd = statistics.fmean(losses), statistics.stdev(losses)
-                print(
-                    f"{task:20s} {name:22s} final loss {mean:.4f} +- {sd:.4f}  {[round(x, 4) for x in losses]}",
-                    flush=True,
-                )
-    finally:
-        ref.quantize_v, ref.dequantize_v = shipped
+    makers = {"torch AdamW": lambda params, seed: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)}
+    for name, codec in CODECS.items():
+        makers[f"8-bit {name}"] = lambda params, seed, codec=codec: RefAdamW8bit(params, codec, 3e-3, 0.01, seed)
+    for task, fn, steps in (("teacher-student MLP", _teacher_student, 300), ("tiny Llama", _tiny_llama, 120)):
+        base = None
+        for name, make in makers.items():
+            losses = [fn(s, lambda ps, s=s, make=make: make(ps, s), steps=steps) for s in seeds]
+            mean, sd = statistics.fmean(losses), statistics.stdev(losses)
+            base = base or losses
+            diffs = [a - b for a, b in zip(losses, base)]
+            paired = f"  paired diff vs torch {statistics.fmean(diffs):+.4f} +- {statistics.stdev(diffs):.4f}"
+            print(f"{task:20s} {name:44s} final loss {mean:.4f} +- {sd:.4f}{paired}", flush=True)
 
 
 def main() -> None:
@@ -236,25 +286,31 @@ def main() -> None:
         return
     blocks = 64
     n = ref.BLOCK * blocks
-    level = torch.logspace(-4, 0, ref.BLOCK).repeat(blocks)  # v / block max of each element, constant g^2
-    formats = {"shipped: 4th-root code": (ref.quantize_v, ref.dequantize_v)}
-    for e, m in ((4, 4), (5, 3), (3, 5)):
-        t = minifloat_table(e, m)
-        formats[f"minifloat e{e}m{m} ({t.numel()} codes)"] = table_codec(t)
+    level = torch.logspace(-4, 0, ref.BLOCK).repeat(blocks)  # |value| / block max of each element, constant input
     decades = [(1e-4, 1e-3), (1e-3, 1e-2), (1e-2, 1e-1), (1e-1, 1.01)]
-    print("relative std (mean) of decoded v, by v / block max:", "  ".join(f"[{a:g},{b:g})" for a, b in decades))
-    for name, (quant, dequant) in formats.items():
-        codes, scale = quant(level, ref.hash_uniform_bits(n, 1, "cpu"))
+    print("relative std (mean) of the decoded moment after each update, by value / block max:",
+          "  ".join(f"[{a:g},{b:g})" for a, b in decades))  # fmt: skip
+    formats = {}
+    for name, (qm, dqm, qv, dqv) in CODECS.items():
+        formats[f"v  {name}"] = (qv, dqv, 0.999)
+        formats[f"m  {name}"] = (qm, dqm, 0.9)
+    for e, m in ((5, 3), (3, 5)):
+        t = minifloat_table(e, m)
+        formats[f"v  table minifloat e{e}m{m} ({t.numel()} codes)"] = (*table_codec(t), 0.999)
+    for name, (quant, dequant, beta) in formats.items():
+        # m: alternating signs, so the sign path is exercised; v: g**2 levels
+        target = level * torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0) if name.startswith("m") else level
+        codes, scale = quant(target, ref.hash_uniform_bits(n, 1, "cpu"))
         for t in range(1, args.steps + 1):
-            v = dequant(codes, scale) * 0.999 + level * (1 - 0.999)
-            codes, scale = quant(v, ref.hash_uniform_bits(n, ref.stream_key(0, 0, t, ref.STREAM_MV), "cpu"))
-        rel = (dequant(codes, scale) / level - 1).view(blocks, ref.BLOCK)
+            x = dequant(codes, scale).reshape(-1) * beta + target * (1 - beta)
+            codes, scale = quant(x, ref.hash_uniform_bits(n, ref.stream_key(0, 0, t, ref.STREAM_MV), "cpu"))
+        rel = (dequant(codes, scale).reshape(-1) / target - 1).view(blocks, ref.BLOCK)
         cols = level.view(blocks, ref.BLOCK)[0]
         cells = []
         for a, b in decades:
             r = rel[:, (cols >= a) & (cols < b)]
             cells.append(f"{r.std().item():.4f} ({r.mean().item():+.4f})")
-        print(f"{name:32s}", "  ".join(cells), flush=True)
+        print(f"{name:48s}", "  ".join(cells), flush=True)
 
 
 if __name__ == "__main__":
