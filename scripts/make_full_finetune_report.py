@@ -4,7 +4,9 @@ Every number comes from files under ``docs/results/`` (nothing is typed by hand)
 
 * the H200 memory/speed grid: ``docs/results/full_finetune_h200/speed_*/runs/*/result.json``;
 * the H200 quality grid: ``docs/results/full_finetune_h200/quality*/runs/*/result.json`` where a grid finished, else
-  the progress lines of its ``compare.log`` (a grid cut short by its device call keeps only those);
+  the progress lines of its ``compare.log`` (a grid cut short by its device call keeps only those); grids with the
+  same set-up as the newest (equal ``model``, ``data`` and ``train`` sections of their ``config.json``, e.g. the cells
+  of one grid run in two device calls) are joined into one table;
 * the CPU grid of ``apexw-compare offline_full``: ``docs/results/offline_full/runs/*/result.json``.
 
 Each table is written between ``<!-- name -->`` and ``<!-- /name -->`` markers in the two files.
@@ -51,6 +53,24 @@ def _latest(pattern: str) -> Path | None:
 
     found = sorted(RESULTS.glob(pattern), key=key)
     return found[-1] if found else None
+
+
+def _same_setup(pattern: str) -> list[Path]:
+    """The newest grid matching ``pattern`` and every other one run with the same set-up (its model, data and train
+    config; the optimizers, learning rates and seeds may differ), newest first."""
+    newest = _latest(pattern)
+    if newest is None or not (newest / "config.json").exists():
+        return [newest] if newest else []
+
+    def setup(folder: Path):
+        cfg = _grid(folder)
+        return [cfg.get(k) for k in ("model", "data", "train")]
+
+    want = setup(newest)
+    others = [
+        p for p in sorted(RESULTS.glob(pattern)) if p != newest and (p / "config.json").exists() and setup(p) == want
+    ]
+    return [newest, *others]
 
 
 def _mean(xs):
@@ -194,13 +214,19 @@ def _ms(v: list[float], digits: int = 4) -> str:
 
 
 def readme_table() -> str:
-    """The short README table: H200 memory per optim/dtype and the CPU grid's validation loss at each best lr."""
+    """The short README table: H200 memory per optim/dtype, and the validation loss at each optimizer's best lr of the
+    H200 quality grid and of the CPU grid."""
     folder = _latest("full_finetune_h200/speed_*")
     cpu = RESULTS / "offline_full"
+    quality = _same_setup("full_finetune_h200/quality*")
+    h200_runs = [r for f in quality for r in _runs(f) if r.get("status") == "ok"]
+    h200_best = best_learning_rates(h200_runs) if h200_runs else {}
+    h200_seeds = len({r["seed"] for r in h200_runs})
     lines = [
         "| optim | model dtype | H200 peak GiB (Llama-3.2-1B shapes) | bytes/param before activations | "
+        f"H200 grid: val loss at best lr, {h200_seeds} seeds | "
         "`offline_full` CPU grid: val loss at best lr, 3 seeds (torch AdamW for-loop for fused) |",
-        "|---|---|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|",
     ]
     found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"} if folder else {}
     gpu = {o: found[o] for o in _order(folder, found)} if folder else {}
@@ -216,10 +242,15 @@ def readme_table() -> str:
                 if x["optimizer"] == cpu_spec and x["learning_rate"] == best[cpu_spec]["lr"]
             ]
             val = _ms(at)
+        gval = "-"
+        if spec in h200_best:
+            lr = h200_best[spec]["lr"]
+            gval = _ms([x["validation_loss"] for x in h200_runs if x["optimizer"] == spec and x["learning_rate"] == lr])
+            gval += f" (lr {lr:g})"
         name, dtype = spec.split("@")
         lines.append(
             f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | {r['train_bytes_per_param']:.2f} | "
-            f"{val} |"
+            f"{gval} | {val} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -236,11 +267,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args()
-    quality_gpu = _latest("full_finetune_h200/quality*")
+    quality_gpu = _same_setup("full_finetune_h200/quality*")
     sections = {
         ROOT / "docs" / "full_finetune.md": {
             "ff-h200-speed": speed_table(),
-            "ff-h200-quality": quality_table(quality_gpu, BASE_GPU, False),
+            "ff-h200-quality": quality_table(quality_gpu[0] if quality_gpu else None, BASE_GPU, False, quality_gpu[1:]),
             "ff-cpu-quality": quality_table(RESULTS / "offline_full", BASE_CPU, True),
             "ff-cpu-quality-extra": quality_table(
                 RESULTS / "offline_full", BASE_CPU, False, sorted((RESULTS / "offline_full_extra").glob("*"))
