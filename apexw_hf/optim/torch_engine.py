@@ -1,30 +1,35 @@
 """Plain-PyTorch engine of :class:`~apexw_hf.optim.base.ApexW`: the reference's bits, a param group at a time.
 
-``reference.adamw_step_ref_`` is the specification: per tensor, readable, and slow (int64 hashing, a
-``searchsorted`` per 8-bit code, a square root corrected in fp64, fresh tensors for every intermediate). This engine
-computes the same bits with the work laid out for a CPU:
+``reference.adamw_step_ref_`` is the specification: per tensor, readable, and slow (int64 hashing, a square root
+corrected in fp64, fresh tensors for every intermediate). This engine computes the same bits with the work laid out
+for a CPU:
 
 * The tensors of a param group that share a parameter dtype and a step count are processed as one sequence of
   *chunks* of at most :data:`CHUNK` elements. A piece of a large tensor that fills a chunk is used in place (views of
-  the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk (one
-  ``torch._foreach_copy_`` per tensor kind in, one out). In a packed 8-bit chunk every tensor starts at a block
-  boundary and its padding is zero, as in ``reference._blocks``. A chunk's ~20 scratch buffers fit the CPU caches, so
-  the many elementwise passes read cache, not memory, and a chunk is large enough that PyTorch's cost per operation
-  (about a microsecond) is small beside the work.
-* Every operation writes into preallocated scratch or in place, and every scalar operand is a 0-dim tensor made once
-  (a Python number costs a conversion per call). Boolean masks and ``torch.where`` (slow on the CPU) become exact
-  arithmetic: comparisons written as 0.0/1.0 floats, ``copysign``, ``maximum``.
+  the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk (a
+  ``torch.cat`` or ``torch._foreach_copy_`` per tensor kind in, a ``torch._foreach_copy_`` out). In a packed 8-bit
+  chunk every tensor starts at a block boundary and its padding is zero, as in ``reference._blocks``. A chunk's
+  scratch (about 50 bytes per element) stays in the CPU caches, so the ~55 elementwise passes of an 8-bit step read
+  cache, not memory, and a chunk is large enough that PyTorch's cost per operation (a few microseconds) is small
+  beside the work.
+* Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
+  Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
+  ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
+  order. The two moments sit side by side in one buffer, so ``m * beta1`` and ``v * beta2`` (and most 8-bit work) are
+  one operation each, with a column of per-moment constants.
 * Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
-  wrapping multiplies and masked shifts (exact mod 2**32). The per-tensor keys come from :mod:`apexw_hf._random` on
-  the host once per step and are spread over a packed chunk with one ``cumsum``.
+  wrapping multiplies and masked shifts (exact mod 2**32), one word per element for the moments (and, for bf16
+  parameters with 8-bit state, for the parameter: ``reference.param_stream``). The per-tensor keys come from
+  :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
-* The 8-bit code search is an approximate root and one comparison with the next code's decoded value (the kernels'
-  method, ``kernels._quant.lower_code``), which picks exactly the code of the reference's table search.
-* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale) do not handle NaN; where a
-  chunk's moments hold a NaN (or, for 8-bit, an infinity) the reference's own functions encode that chunk, and a bf16
-  parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is rare and poisons the
-  run anyway). fp16 parameters with stochastic rounding always use ``reference.round_param``.
+* 8-bit state (format version 2) is decoded through fp16, whose bias and subnormals the minifloat codes share, and
+  encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.optim.torch_passes` explains both).
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit encoding) do not
+  handle NaN; where a chunk's moments hold a NaN (or, for 8-bit, an infinity) the reference's own functions encode
+  that chunk, and a bf16 parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is
+  rare and poisons the run anyway). 8-bit chunks with a block scale outside [2**-126, 2**100] take a few more passes
+  (the reference's clamp). fp16 parameters with stochastic rounding always use ``reference.round_param``.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
 moves the data. Tensors that are not contiguous (a parameter or a state tensor) are stepped by
@@ -50,9 +55,19 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 from .hparams import step_hparams
-from .torch_passes import Scratch, bf16_stochastic, encode, full_bits, hash_into, sqrt_into, square_
+from .torch_passes import (
+    Scratch,
+    bf16_stochastic,
+    decode_8bit,
+    encode_8bit,
+    full_bits,
+    hash_into,
+    scales_8bit,
+    sign_and_abs,
+    sqrt_into,
+)
 
-CHUNK = 1 << 17  # elements per chunk: 512 KiB per fp32 buffer, about 10 MiB of scratch in all
+CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 13 MiB of scratch in all
 _BLOCK = ref.BLOCK
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 # ---- plans ------------------------------------------------------------------------------------------------------
@@ -148,8 +163,6 @@ class _Layout:
 
         p_kind = "p" if self.dtype == torch.float32 else "p_store"
         p_buf = b.p if self.dtype == torch.float32 else b.typed("p_store", self.dtype)
-        moments = {"fp32": ("m", "v"), "compact": ("m_store", "v_store"), "8bit": ("m_store", "v_store")}[fmt]
-        mdt = {"fp32": (None, None), "compact": (torch.bfloat16,) * 2, "8bit": (torch.int8, torch.uint8)}[fmt]
         if ch.direct:
             seg = ch.segs[0]
             io["p"] = piece(self.locals[seg[0]], (*seg[:4], False))
@@ -161,18 +174,12 @@ class _Layout:
         io["p_in"] = slices(b.p)
         io["p_out"] = slices(p_buf) if p_kind == "p_store" else io["p_in"]
         io["g_dst"] = slices(b.g)
-        for key, name, dtype in zip(_STATE_KEYS[:2], moments, mdt):
-            io[key] = [piece(st[s[0]][key], s) for s in ch.segs]
-            io[key + "_buf"] = slices(getattr(b, name) if dtype is None else b.typed(name, dtype))
-        if fmt == "8bit":
-            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
-                io[key] = [piece(st[s[0]][key], s, scale=True) for s in ch.segs]
-                io[key + "_buf"] = slices(scratch.typed(name, torch.bfloat16), scale=True)
-        # Same-dtype gathers are one torch.cat of flat pieces (with zeros for the 8-bit padding): cheaper per tensor
-        # than _foreach_copy_, which converts dtypes (bf16 parameters, compact moments) and handles the gradients.
         pad_at = dict(ch.pads)
 
         def cat_list(pieces, dtype):
+            """Flat pieces with zeros for the 8-bit padding (a same-dtype gather is one torch.cat, cheaper per
+            tensor than _foreach_copy_, which converts dtypes (bf16 parameters, compact moments) and does the
+            gradients)."""
             out = []
             for seg, t in zip(ch.segs, pieces):
                 out.append(t.reshape(-1))
@@ -187,17 +194,23 @@ class _Layout:
         else:
             gather.append(("copy", io["p_in"], io["p_src"]))
             pads_in += [b.p[o : o + k] for o, k in ch.pads]
+        moments = [[piece(st[s[0]][key], s) for s in ch.segs] for key in _STATE_KEYS[:2]]
         if fmt == "fp32":
-            gather += [("cat", b.m, cat_list(io["exp_avg"], None)), ("cat", b.v, cat_list(io["exp_avg_sq"], None))]
+            bufs = (slices(b.m), slices(b.v))
+            gather += [("cat", b.m, cat_list(moments[0], None)), ("cat", b.v, cat_list(moments[1], None))]
         elif fmt == "compact":
-            gather += [("copy", slices(b.m), io["exp_avg"]), ("copy", slices(b.v), io["exp_avg_sq"])]
+            bufs = (slices(b.typed("m_store", torch.bfloat16)), slices(b.typed("v_store", torch.bfloat16)))
+            gather += [("copy", slices(b.m), moments[0]), ("copy", slices(b.v), moments[1])]
         else:
-            for key, dtype in zip(_STATE_KEYS[:2], mdt):
-                gather.append(("cat", b.typed(moments[_STATE_KEYS.index(key)], dtype), cat_list(io[key], dtype)))
-            nb = ch.length // _BLOCK
-            for key, name in zip(_STATE_KEYS[2:], ("m_scale", "v_scale")):
-                gather.append(("cat", scratch.typed(name, torch.bfloat16)[:nb], [t.reshape(-1) for t in io[key]]))
+            # both moments' codes in one buffer (m then v), and both scales: one gather and one scatter each
+            bufs = (slices(b.m_codes), slices(b.v_codes))
+            scales = [[piece(st[s[0]][key], s, scale=True) for s in ch.segs] for key in _STATE_KEYS[2:]]
+            scale_bufs = (slices(b.m_scale, scale=True), slices(b.v_scale, scale=True))
+            gather.append(("cat", b.codes, cat_list(moments[0], torch.uint8) + cat_list(moments[1], torch.uint8)))
+            gather.append(("cat", b.scale16.view(torch.bfloat16), [t.reshape(-1) for t in scales[0] + scales[1]]))
+            io["scatter_scales"] = (scales[0] + scales[1], list(scale_bufs[0]) + list(scale_bufs[1]))
             io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
+        io["scatter_moments"] = (moments[0] + moments[1], list(bufs[0]) + list(bufs[1]))
         io["gather"], io["pads_in"] = gather, pads_in
         return io
 
@@ -307,35 +320,49 @@ class TorchEngine:
         sc = self._scratch_for(layout.locals[0].device)
         # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.
         k = torch.tensor(
-            [s.beta1, s.one_minus_beta1, s.beta2, s.one_minus_beta2, s.inv_bc2_sqrt, s.eps, s.step_size, s.decay],
+            [
+                s.beta1,
+                s.one_minus_beta1,
+                s.beta2,
+                s.one_minus_beta2,
+                s.inv_bc2_sqrt,
+                s.eps,
+                s.step_size,
+                s.decay,
+                -s.one_minus_beta1,
+                s.beta1,
+                s.beta2,
+            ],
             dtype=torch.float32,
             device=sc.device,
-        ).unbind()
+        )
+        k = (*k[:9].unbind(), k[9:].view(2, 1))  # the last: (beta1, beta2) as a column, for both moments at once
         mixed = rnd.mix32(t)
         stochastic_p = layout.dtype != torch.float32 and rounding == "stochastic"
         keys_mv = (
             [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
         )
-        keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if stochastic_p else None
+        # bf16 parameters with 8-bit state are rounded with the moments' word (reference.param_stream)
+        own_p = stochastic_p and ref.param_stream(layout.fmt, layout.dtype) == rnd.STREAM_P
+        keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if own_p else None
         for ch in layout.chunks:
             _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
 
 
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter."""
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay = k
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
     fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
     n = ch.length
     b = sc.upto(n)
     G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
-    blocks = n // _BLOCK
     v_np = None
     # ---- gather ---------------------------------------------------------------------------------------------
     if ch.direct:
         slot, a, _, _, _ = ch.segs[0]
         g = grads[slot].reshape(-1)[a : a + n]
-        if g.dtype == torch.float32 and not maximize:
-            G = g
+        if g.dtype == torch.float32:
+            G = g  # maximize negates (1 - beta1) instead: (-g) * c == g * (-c) and (-g) * (-g) == g * g, bit for bit
         else:
             G.copy_(g)
         if dtype == torch.float32:
@@ -361,22 +388,22 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         if io["pads_in"]:
             torch._foreach_zero_(io["pads_in"])
         if fmt == "8bit":
-            m_state, v_state = b.typed("m_store", torch.int8), b.typed("v_store", torch.uint8)
-            m_scale = sc.typed("m_scale", torch.bfloat16)[:blocks]
-            v_scale = sc.typed("v_scale", torch.bfloat16)[:blocks]
-    if maximize:
-        G.neg_()
+            m_state, v_state, m_scale, v_scale = b.m_codes, b.v_codes, b.m_scale, b.v_scale
     if fmt == "8bit":
-        # dequantize; t * |t| is sign(c) * q2(|c|) bit for bit (IEEE products are symmetric in sign)
-        M.copy_(m_state).mul_(c.inv127)
-        M.mul_(torch.abs(M, out=A)).view(blocks, _BLOCK).mul_(m_scale.float()[:, None])
-        square_(V.copy_(v_state).mul_(c.inv255), True).view(blocks, _BLOCK).mul_(v_scale.float()[:, None])
+        decode_8bit(b, c, m_state, v_state, m_scale, v_scale)  # into b.m and b.v
     if b.cpu and V is b.v:
         v_np = b.np["v"]
     # ---- the update, in the reference's operation order -------------------------------------------------------
-    M.mul_(beta1).add_(torch.mul(G, one_minus_beta1, out=A))
-    torch.mul(G, G, out=A).mul_(one_minus_beta2)
-    V.mul_(beta2).add_(A)
+    g_coef = neg_one_minus_beta1 if maximize else one_minus_beta1
+    if M is b.m and V is b.v:  # adjacent: m * beta1 and v * beta2 in one operation, and the two sums in one
+        b.mv2.mul_(betas)
+        torch.mul(G, g_coef, out=b.u_m)
+        torch.mul(G, G, out=b.u_v).mul_(one_minus_beta2)
+        b.mv.add_(b.u)
+    else:
+        M.mul_(beta1).add_(torch.mul(G, g_coef, out=A))
+        torch.mul(G, G, out=A).mul_(one_minus_beta2)
+        V.mul_(beta2).add_(A)
     if ch.pads:
         torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
     sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
@@ -386,25 +413,28 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     A.mul_(step_size)
     P.mul_(decay).sub_(A)
     # ---- parameters -------------------------------------------------------------------------------------------
+    p_out = None
     if dtype != torch.float32:
         p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
-        if stochastic_p:
-            hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs])
-            if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
-                bf16_stochastic(P, b.rm, b.t, c, p_out)
-            else:
-                p_out.copy_(ref.round_param(P, dtype, full_bits(b)))
-        else:
+        if not stochastic_p:
             p_out.copy_(P)
+        elif keys_p is not None:  # a random stream of its own
+            hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs], low=False)
+            _round_param(P, dtype, b, c, p_out)
+            p_out = None
+    # ---- moments ----------------------------------------------------------------------------------------------
+    if fmt != "fp32":
+        hash_into(
+            b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=fmt == "compact" or p_out is not None
+        )
+    if p_out is not None and stochastic_p:  # bf16 with 8-bit state: the top 16 bits of the moments' word
+        _round_param(P, dtype, b, c, p_out)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
-    # ---- moments ----------------------------------------------------------------------------------------------
     if fmt == "fp32":
         if not ch.direct:
-            torch._foreach_copy_(io["exp_avg"], io["exp_avg_buf"])
-            torch._foreach_copy_(io["exp_avg_sq"], io["exp_avg_sq_buf"])
+            torch._foreach_copy_(*io["scatter_moments"])
         return
-    hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs])
     if fmt == "compact":
         m_out = m_state if ch.direct else b.typed("m_store", torch.bfloat16)
         v_out = v_state if ch.direct else b.typed("v_store", torch.bfloat16)
@@ -413,15 +443,30 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             m_out.copy_(ref.round_to_bf16_stochastic(M, bits))
             v_out.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
         else:
-            bf16_stochastic(M, b.rm, b.t, c, m_out)
-            bf16_stochastic(V, b.rv, b.t, c, v_out)
+            bf16_stochastic(M, b.t, b.t, c, m_out)
+            bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, c, v_out)
     else:
-        for x, codes, scale, is_v in ((M, m_state, m_scale, False), (V, v_state, v_scale, True)):
-            if not encode(b, c, x, blocks, codes, scale, is_v):
-                qc, qs = (ref.quantize_v if is_v else ref.quantize_m)(x, full_bits(b))
+        sign_and_abs(b, c)
+        path = scales_8bit(b, c, m_scale, v_scale)
+        if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
+            bits = full_bits(b)
+            m = torch.where(b.a > 0, -M, M)
+            todo = ((m, m_state, m_scale, ref.quantize_m), (V, v_state, v_scale, ref.quantize_v))
+            for x, codes, scale, quantize in todo:
+                qc, qs = quantize(x, bits)
                 codes.copy_(qc)
                 scale.copy_(qs)
+        else:
+            encode_8bit(b, c, m_state, v_state, path == "exact")
+        if not ch.direct:
+            torch._foreach_copy_(*io["scatter_scales"])
     if not ch.direct:
-        keys = _STATE_KEYS if fmt == "8bit" else _STATE_KEYS[:2]
-        for key in keys:
-            torch._foreach_copy_(io[key], io[key + "_buf"])
+        torch._foreach_copy_(*io["scatter_moments"])
+
+
+def _round_param(P, dtype, b, c, p_out) -> None:
+    """Stochastic rounding of the fp32 update ``P`` into ``p_out`` with the random words of the last hash."""
+    if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
+        bf16_stochastic(P, b.t, b.t, c, p_out)
+    else:
+        p_out.copy_(ref.round_param(P, dtype, full_bits(b)))

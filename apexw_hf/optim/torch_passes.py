@@ -1,8 +1,27 @@
 """Elementwise passes of the plain-PyTorch engine (:mod:`apexw_hf.optim.torch_engine`) over one chunk.
 
 Each function is one piece of ``reference.adamw_step_ref_`` rewritten as in-place or ``out=`` passes over
-preallocated scratch, with the same bits: the random words, stochastic rounding to bf16, and the 8-bit encoding. Scalar
-operands are 0-dim tensors (:class:`Consts`), as a Python number costs a conversion per call.
+preallocated scratch, with the same bits: the random words, stochastic rounding to bf16, and the 8-bit minifloat codes
+(format version 2). Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
+and for integer ops it also takes a slower, unvectorized path. No fused multiply-add anywhere: ``addcmul`` and
+``add(alpha=)`` on floats are fused in torch's CPU kernels, so only plain ``mul``/``add``/``div`` touch fp32 values.
+
+8-bit encoding (``reference.minifloat_code``) without a select. The reference codes the fp32 bits of ``y`` for
+``y >= 2**-14`` and those of ``fl(y + 2**-14)`` with the exponent lowered by one below, that is the bits of
+``fl(y + 2**-14) / 2``. For non-negative ``y`` that second value is larger than ``y`` exactly when ``y < 2**-14``, so
+the coded value is ``w = max(y, fl(y + 2**-14) / 2)``. Scaled by ``2**k`` (exact), ``w * 2**k = max(y * 2**k,
+fl(y * 2**(k-1) + 2**(k-15)))``, and the power of two is folded into the per-block factor that normalizes by the
+scale: ``y * 2**k = fl(|x| * (inv * 2**k))`` whenever that product is a normal number, and when it is not, ``y`` is
+so small that the other operand of the max wins with the same bits either way. ``k`` is chosen so that the exponent
+offset the reference subtracts is a multiple of 256 and vanishes when the int32 result is stored as uint8 (which keeps
+the low 8 bits): ``k = -16`` for ``m`` (offset ``(112 + k) * 8``), ``k = 0`` for ``v`` (``112 * 16``). This needs
+``inv * 2**k`` exact and ``y <= 1 + 2**-23`` without the reference's clamp: true when every nonzero block scale is in
+[2**-126, 2**100] (:data:`FAST_SCALE_MIN`, :data:`FAST_SCALE_MAX`); other chunks take the reference's clamp and NaN
+step first (:func:`encode_8bit`, ``exact=True``), and chunks with a NaN or an infinity go to the reference itself.
+``y * 2**(k-1)`` is taken as ``(y * 2**k) * 0.5``, exact wherever it matters (a normal number).
+
+The sign of ``m`` (bit 7 of its code: ``m < 0``, so not for ``-0``) comes from ``lt(m, 0)`` written as fp32 1.0/0.0:
+the int32 bits of 1.0 times 16 are ``-2**27`` mod ``2**32``, which adds 128 (mod 256) to the code once shifted.
 """
 
 from __future__ import annotations
@@ -16,14 +35,22 @@ from .. import _random as rnd
 from .. import reference as ref
 
 _BLOCK = ref.BLOCK
-
-# An approximate root times just under 127 (255) floors to the right code or the one below (kernels._quant).
-_BELOW127 = 127.0 * (1.0 - 2.0**-16)
-_BELOW255 = 255.0 * (1.0 - 2.0**-16)
+FAST_SCALE_MIN = 2.0**-126  # nonzero block absmax at least this ... (see the module docstring)
+FAST_SCALE_MAX = 2.0**100  # ... and at most this: the 8-bit encoding's fast path
+M_K, V_K = -16, 0  # the power of two folded into the normalized m and v (module docstring)
+M_SHIFT, V_SHIFT = 23 - ref.M_MANT, 23 - ref.V_MANT  # 20, 19
+# the random offsets of reference._rand_offset: ((word << up) & mask) + half
+M_RAND_UP = M_SHIFT - ref.M_RAND_BITS - ref.M_RAND_SHIFT  # 4: bits 10-15 to 14-19
+M_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << (M_SHIFT - ref.M_RAND_BITS)
+M_RAND_HALF = 1 << (M_SHIFT - ref.M_RAND_BITS - 1)
+V_RAND_UP = V_SHIFT - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 9: bits 0-9 to 9-18
+V_RAND_MASK = ((1 << ref.V_RAND_BITS) - 1) << (V_SHIFT - ref.V_RAND_BITS)
+V_RAND_HALF = 1 << (V_SHIFT - ref.V_RAND_BITS - 1)
+assert M_RAND_UP == 4 and V_RAND_UP == 9 and ((112 + M_K) * 8) % 256 == 0 and ((112 + V_K) * 16) % 256 == 0
 
 
 class Consts:
-    """0-dim tensors of the constants, on one device."""
+    """0-dim tensors of the constants, on one device (and a few per-moment columns: row 0 m, row 1 v)."""
 
     def __init__(self, device):
         def f(x):
@@ -32,30 +59,98 @@ class Consts:
         def i(x):
             return torch.tensor(rnd.to_int32(x), dtype=torch.int32, device=device)
 
-        self.one, self.zero, self.two_m16 = f(1.0), f(0.0), f(ref.TWO_POW_M16)
-        self.inv127, self.inv255 = f(ref.INV127), f(ref.INV255)
-        self.below127, self.below255 = f(_BELOW127), f(_BELOW255)
-        self.max_guess_m, self.max_guess_v = f(125.0), f(253.0)
+        def col(xs, dtype):
+            return torch.tensor(xs, dtype=dtype, device=device)[:, None]
+
+        self.one, self.zero = f(1.0), f(0.0)
         self.mix1, self.mix2 = i(rnd.MIX1), i(rnd.MIX2)
-        self.s13, self.s16, self.low16, self.low19, self.bf16_up = i(13), i(16), i(0xFFFF), i(0x7FFFF), i(0xFFFF)
+        self.s13, self.s16, self.low16, self.low19 = i(13), i(16), i(0xFFFF), i(0x7FFFF)
+        self.bf16_up, self.high16 = i(0xFFFF), i(~0xFFFF)
+        self.u8_one = torch.tensor(1, dtype=torch.uint8, device=device)
+        self.i_one = i(1)
+        # 8-bit encoding, per moment: 2**k, 2**(k-15), the random offset (reference._rand_offset), the code shift
+        self.k_col = col([2.0**M_K, 2.0**V_K], torch.float32)
+        self.add_col = col([2.0 ** (M_K - 15), 2.0 ** (V_K - 15)], torch.float32)
+        self.up_col = col([M_RAND_UP, V_RAND_UP], torch.int32)
+        self.mask_col = col([M_RAND_MASK, V_RAND_MASK], torch.int32)
+        self.half_col = col([M_RAND_HALF, V_RAND_HALF], torch.int32)
+        self.shift_col = col([M_SHIFT, V_SHIFT], torch.int32)
+        # 8-bit decoding: fp16 bits of the codes (m: sign-extended, bit 7 to 15; v: zero-extended)
+        self.dec_shift_col = col([7, 6], torch.int16)
+        self.dec_mask_col = col([~0x4000, -1], torch.int16)
 
 
 class Buffers:
-    """The first ``n`` elements of every scratch buffer (cached per ``n``), with NumPy views where a root is taken."""
+    """Views of the scratch for a chunk of ``n`` elements (cached per ``n``), NumPy views where a root is taken.
 
-    F32 = ("g", "m", "v", "a", "p", "y", "lo", "q0", "q1", "u")
-    I32 = ("h", "t", "k", "rm", "rv")
+    ``m`` and ``v`` are adjacent (``mv``, shape (2, n) as ``mv2``), and so are every 8-bit buffer of the two moments
+    (codes, block maxima, scales, random offsets): their 8-bit work is one operation over both, with a column of
+    per-moment constants where they differ, and a packed chunk gathers and scatters both moments' codes (and scales)
+    in one operation.
+    """
+
+    F32 = ("g", "a", "p")
+    I32 = ("h", "t", "z")
 
     def __init__(self, scratch, n):
+        self.n = n
+        self.cpu = scratch.device.type == "cpu"
+        self._scratch = scratch
+        self._typed = {}
         for name in self.F32 + self.I32:
             setattr(self, name, getattr(scratch, name)[:n])
         self.base = scratch.base[:n]
-        self.n = n
-        self.cpu = scratch.device.type == "cpu"
+        self._counts = {}
+        self.mv = scratch.mv[: 2 * n]
+        self.mv2 = self.mv.view(2, n)
+        self.m, self.v = self.mv[:n], self.mv[n:]
+        self.mv_i = self.mv.view(torch.int32)
+        self.u = scratch.u[: 2 * n]
+        self.u2, self.u_m, self.u_v = self.u.view(2, n), self.u[:n], self.u[n:]
+        self.a_i = self.a.view(torch.int32)
+        self.r = scratch.r[: 2 * n]
+        self.r2, self.rm, self.rv = self.r.view(2, n), self.r[:n], self.r[n:]
         if self.cpu:
-            self.np = {name: getattr(self, name).numpy() for name in ("v", "a", "y", "lo")}
-        self._scratch = scratch
-        self._typed = {}
+            self.np = {"v": self.v.numpy(), "a": self.a.numpy()}
+        nb = -(-n // _BLOCK)
+        self.blocks = nb
+        if n % _BLOCK == 0:
+            self.mv_b = self.mv.view(2 * nb, _BLOCK)
+            self.base_b, self.h_b = self.base.view(nb, _BLOCK), self.h.view(nb, _BLOCK)
+        self.x16 = scratch.x16[: 2 * n]
+        self.x16_2, self.x16_f16 = self.x16.view(2, n), self.x16.view(torch.float16)
+        self.x16_m, self.x16_v = self.x16[:n], self.x16[n:]
+        self.codes = scratch.codes[: 2 * n]
+        self.m_codes, self.v_codes = self.codes[:n], self.codes[n:]
+        self.nz = scratch.nz[:n]
+        # per block (m rows, then v rows): absmax, scale (fp32 bits, bf16 bits), 1 / scale, factor, decoded scale
+        self.amax = scratch.amax[: 2 * nb]
+        self.amax_i = self.amax.view(torch.int32)
+        self.s_i = scratch.s_i[: 2 * nb]
+        self.s_f = self.s_i.view(torch.float32)
+        self.scale16 = scratch.scale16[: 2 * nb]
+        self.scales = self.scale16.view(torch.bfloat16)
+        self.m_scale, self.v_scale = self.scales[:nb], self.scales[nb:]
+        self.inv = scratch.inv[: 2 * nb]
+        self.inv2 = self.inv.view(2, nb)
+        self.zero_blocks = scratch.zero_blocks[: 2 * nb]
+        self.fac = scratch.fac[: 2 * nb]
+        self.fac2, self.fac_col = self.fac.view(2, nb), self.fac[:, None]
+        self.sdec = scratch.sdec[: 2 * nb]
+        self.sdec_col, self.sdec_mv = self.sdec[:, None], self.sdec.view(2, nb)
+
+    def block_counts(self, offsets: tuple):
+        """Blocks per piece of a packed chunk whose pieces start at these offsets, or None unless every piece
+        starts at a block (an int64 tensor, cached)."""
+        if offsets not in self._counts:
+            ok = self.n % _BLOCK == 0 and all(o % _BLOCK == 0 for o in offsets)
+            ends = offsets[1:] + (self.n,)
+            self._counts[offsets] = (
+                torch.tensor([(e - o) // _BLOCK for o, e in zip(offsets, ends)], device=self.base.device)
+                if ok
+                else None
+            )
+        return self._counts[offsets]
 
     def typed(self, name, dtype):
         key = (name, dtype)
@@ -70,10 +165,20 @@ class Scratch:
 
     def __init__(self, device, size: int):
         self.device, self.size = device, size
+
+        def e(k, dtype):
+            return torch.empty(k, dtype=dtype, device=device)
+
         for name in Buffers.F32:
-            setattr(self, name, torch.empty(size, dtype=torch.float32, device=device))
+            setattr(self, name, e(size, torch.float32))
         for name in Buffers.I32:
-            setattr(self, name, torch.empty(size, dtype=torch.int32, device=device))
+            setattr(self, name, e(size, torch.int32))
+        self.mv, self.u, self.r = e(2 * size, torch.float32), e(2 * size, torch.float32), e(2 * size, torch.int32)
+        self.x16, self.codes, self.nz = e(2 * size, torch.int16), e(2 * size, torch.uint8), e(size, torch.uint8)
+        nb = -(-size // _BLOCK)
+        self.amax, self.s_i, self.scale16 = e(2 * nb, torch.float32), e(2 * nb, torch.int32), e(2 * nb, torch.int16)
+        self.inv, self.fac, self.sdec = e(2 * nb, torch.float32), e(2 * nb, torch.float32), e(2 * nb, torch.float32)
+        self.zero_blocks = e(2 * nb, torch.bool)
         # index * GOLDEN mod 2**32 (int64 -> int32 keeps the low 32 bits)
         self.base = (torch.arange(size, dtype=torch.int64, device=device) * rnd.GOLDEN).to(torch.int32)
         self.c = Consts(device)
@@ -104,32 +209,41 @@ def sqrt_into(b: Buffers, x: torch.Tensor, x_np, out: torch.Tensor, out_np) -> N
         out.copy_(ref.sqrt_rn(x))
 
 
-def hash_into(b: Buffers, c: Consts, segs, keys) -> None:
-    """``reference.hash_uniform_bits`` of every element into ``b.h``, and its two 16-bit halves as the moments use
-    them: ``b.rm`` = top 16 bits (rounds m), ``b.rv`` = low 16 bits (rounds v), int32 in [0, 2**16).
+def hash_into(b: Buffers, c: Consts, segs, keys, *, top: bool = True, low: bool = True) -> None:
+    """``reference.hash_uniform_bits`` of every element, in pieces (int32 bit patterns):
+
+    * ``b.h``: the word before mix32's last xor-shift, whose top 16 bits are already final (:func:`full_bits`
+      completes it);
+    * ``b.t`` (``top``): the final word's top 16 bits, in [0, 2**16);
+    * ``b.z`` (``low``): the final word's low 16 bits in its low 16 bits; with ``top`` it is the whole final word.
 
     Element ``j`` of a tensor piece starting at element ``a`` and at chunk offset ``o`` gets
     ``mix32((a + j) * GOLDEN + key) = mix32((o + j) * GOLDEN + d)`` with ``d = key + (a - o) * GOLDEN``: the chunk's
-    ``index * GOLDEN`` plus a constant per piece, spread with one cumsum. ``b.h`` is left without mix32's last
-    xor-shift, which changes only the low half (folded into ``b.rv``); :func:`full_bits` completes it.
+    ``index * GOLDEN`` plus a constant per piece: per block when every piece starts at a block (8-bit chunks
+    always), else spread with a cumsum.
     """
     h, t = b.h, b.t
     if len(segs) == 1:
         _, a, _, o = segs[0][:4]
         torch.add(b.base, rnd.to_int32(keys[0] + (a - o) * rnd.GOLDEN), out=h)
     else:
-        k = b.k
-        k.zero_()
-        offs, deltas, prev = [], [], 0
-        for seg, key in zip(segs, keys):
-            _, a, _, o = seg[:4]
-            d = (key + (a - o) * rnd.GOLDEN) & rnd.MASK32
-            offs.append(o)
-            deltas.append(rnd.to_int32(d - prev))
-            prev = d
-        k[offs] = torch.tensor(deltas, dtype=torch.int32, device=k.device)
-        torch.cumsum(k, 0, dtype=torch.int32, out=t)  # accumulates in int64, stores mod 2**32
-        torch.add(b.base, t, out=h)
+        ds = [(key + (seg[1] - seg[3]) * rnd.GOLDEN) & rnd.MASK32 for seg, key in zip(segs, keys)]
+        counts = b.block_counts(tuple(seg[3] for seg in segs))
+        if counts is not None:  # every piece starts at a block: one constant per block, broadcast
+            d = torch.tensor([rnd.to_int32(x) for x in ds], dtype=torch.int32, device=h.device)
+            d = torch.repeat_interleave(d, counts, output_size=b.blocks)
+            torch.add(b.base_b, d[:, None], out=b.h_b)
+        else:
+            k = b.z
+            k.zero_()
+            offs, deltas, prev = [], [], 0
+            for seg, d in zip(segs, ds):
+                offs.append(seg[3])
+                deltas.append(rnd.to_int32(d - prev))
+                prev = d
+            k[offs] = torch.tensor(deltas, dtype=torch.int32, device=k.device)
+            torch.cumsum(k, 0, dtype=torch.int32, out=t)  # accumulates in int64, stores mod 2**32
+            torch.add(b.base, t, out=h)
     # murmur3 fmix32; int32 multiplies wrap (the product mod 2**32), right shifts of int32 are arithmetic: masked
     torch.bitwise_right_shift(h, c.s16, out=t)
     h.bitwise_xor_(t.bitwise_and_(c.low16))
@@ -137,9 +251,13 @@ def hash_into(b: Buffers, c: Consts, segs, keys) -> None:
     torch.bitwise_right_shift(h, c.s13, out=t)
     h.bitwise_xor_(t.bitwise_and_(c.low19))
     h.mul_(c.mix2)
-    torch.bitwise_right_shift(h, c.s16, out=t)
-    torch.bitwise_and(t, c.low16, out=b.rm)
-    torch.bitwise_xor(h, t, out=b.rv).bitwise_and_(c.low16)
+    if not (top or low):
+        return
+    torch.bitwise_right_shift(h, c.s16, out=t)  # the low 16 bits of t are the top 16 of h
+    if top:
+        t.bitwise_and_(c.low16)
+    if low:
+        torch.bitwise_xor(h, t, out=b.z)
 
 
 def full_bits(b: Buffers) -> torch.Tensor:
@@ -149,66 +267,104 @@ def full_bits(b: Buffers) -> torch.Tensor:
 
 
 def bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: Consts, out: torch.Tensor) -> None:
-    """``reference.round_to_bf16_stochastic`` of non-NaN ``x``: the top 16 bits of (bits of x + 16 random bits)."""
+    """``reference.round_to_bf16_stochastic`` of non-NaN ``x``: the top 16 bits of (bits of x + 16 random bits).
+
+    ``rand``: int32 in [0, 2**16); ``t`` may be ``rand``.
+    """
     torch.add(x.view(torch.int32), rand, out=t)
     torch.bitwise_right_shift(t, c.s16, out=out.view(torch.int16))  # int32 -> int16 keeps the low 16 bits
 
 
-def square_(t: torch.Tensor, q4: bool) -> torch.Tensor:
-    """In place ``t * t`` (``q4``: squared again): with ``t = c * (1/n)`` this is ``reference._q2`` / ``_q4``."""
-    t.mul_(t)
-    if q4:
-        t.mul_(t)
-    return t
+# ---- 8-bit state ------------------------------------------------------------------------------------------------
 
 
-def encode(b: Buffers, c: Consts, x: torch.Tensor, blocks: int, codes_out, scale_out, is_v: bool) -> bool:
-    """``reference.quantize_m`` / ``quantize_v`` of the fp32 chunk ``x`` into ``codes_out`` (int8 / uint8) and
-    ``scale_out`` (bf16 per block), with the random halves in ``b.rm`` / ``b.rv``.
+def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale) -> None:
+    """``reference.dequantize_m`` and ``dequantize_v`` into ``b.m`` and ``b.v`` (whole blocks).
 
-    Returns False, having written nothing, if a block holds a NaN or an infinity (the caller then uses the
-    reference). ``v`` is normalized in place (it is not needed afterwards); ``b.a`` must be free.
+    A code is a half-precision number in disguise: fp16 has the codes' exponent bias 15, and its subnormals are
+    ``f * 2**-24``, so ``code << (10 - mant)`` (with the sign of ``m`` moved from bit 7 to bit 15) is the fp16 with
+    the code's value, subnormal codes included, and fp16 -> fp32 is exact. Then ``(+-a) * scale``, as the reference.
+    The codes and scales of a packed chunk are ``b.codes`` and ``b.scales`` already (both moments).
     """
-    lo, q0, q1, u = b.lo, b.q0, b.q1, b.u
-    if is_v:
-        y, y_np = x, x.numpy() if b.cpu else None
+    nb = b.blocks
+    if m_scale is b.m_scale:
+        b.sdec.copy_(b.scales)
     else:
-        y, y_np = torch.abs(x, out=b.y), b.np["y"] if b.cpu else None
-    yb = y.view(blocks, _BLOCK)
-    amax = yb.amax(dim=1)
-    if not math.isfinite(float(amax.sum())):
-        return False
-    if is_v:
-        torch.gt(x, c.zero, out=b.a)  # where v is nonzero, before v is overwritten
-    # The block scale: the absmax rounded up to bf16 on its bits (finite, so no NaN case), and 1/scale or 0.
-    up = torch.add(amax.view(torch.int32), c.bf16_up)
-    torch.bitwise_right_shift(up, c.s16, out=scale_out.view(torch.int16))
-    inv = torch.reciprocal(scale_out.float()).nan_to_num_(nan=math.nan, posinf=0.0, neginf=0.0)
-    yb.mul_(inv[:, None]).clamp_(max=c.one)
-    # lo: floor(root(y) * just under n) is lo or lo - 1; clamped to n - 2 it stays <= n - 1 after the correction.
-    # NumPy's root is the IEEE instruction, faster than torch's (a polynomial on the CPU) even on one thread.
-    if b.cpu:
-        np.sqrt(y_np, out=b.np["lo"])
-        if is_v:
-            np.sqrt(b.np["lo"], out=b.np["lo"])
+        b.sdec_mv[0].copy_(m_scale)
+        b.sdec_mv[1].copy_(v_scale)
+    b.x16_m.copy_(m_codes.view(torch.int8))  # sign-extends: a negative code c becomes 0xFF00 | c
+    b.x16_v.copy_(v_codes)  # zero-extends
+    # m: bit 7 lands on 14 and the sign extension on 15, so clear 14; v: the shift alone
+    b.x16_2.bitwise_left_shift_(c.dec_shift_col).bitwise_and_(c.dec_mask_col)
+    b.mv.copy_(b.x16_f16)
+    b.mv_b.mul_(b.sdec_col)
+
+
+def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out) -> str:
+    """Block scales of both moments (from ``b.m = |m|`` and ``b.v``) into the bf16 tensors ``m_scale_out`` and
+    ``v_scale_out``, ``1 / scale`` into ``b.inv`` and the normalizing factors into ``b.fac``.
+
+    Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
+    ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
+    """
+    nb = b.blocks
+    torch.amax(b.mv_b, 1, out=b.amax)
+    hi = float(b.amax.max())  # NaN propagates
+    if not math.isfinite(hi):
+        return "ref"
+    # round up to bf16 on the bits (finite, non-negative): the fp32 bits of the scale, then its bf16 bits
+    torch.add(b.amax_i, c.bf16_up, out=b.s_i).bitwise_and_(c.high16)
+    torch.bitwise_right_shift(b.s_i, c.s16, out=b.scale16)
+    if m_scale_out is not b.m_scale:
+        m_scale_out.copy_(b.m_scale)
+        v_scale_out.copy_(b.v_scale)
+    torch.reciprocal(b.s_f, out=b.inv)
+    torch.eq(b.amax, c.zero, out=b.zero_blocks)
+    b.inv.masked_fill_(b.zero_blocks, 0.0)  # 1/s may still be inf for a tiny s, as in the reference
+    fast = hi <= FAST_SCALE_MAX and float(b.inv.max()) <= 1.0 / FAST_SCALE_MIN
+    if fast:
+        torch.mul(b.inv2, c.k_col, out=b.fac2)
+    return "fast" if fast else "exact"
+
+
+def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool) -> None:
+    """``reference.quantize_m`` and ``quantize_v`` codes of ``b.m`` and ``b.v`` (with ``b.m`` holding ``|m|``, and
+    the sign of m in ``b.a``: 1.0 where ``m < 0``) into the uint8 tensors ``m_codes_out`` and ``v_codes_out``, with
+    the factors of :func:`scales_8bit` and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``,
+    ``b.u``, ``b.r``, ``b.t``.
+
+    ``exact``: the reference's clamp and NaN step first (any finite scale).
+    """
+    some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
+    if some_zero:
+        torch.clamp(b.v.view(torch.int32), max=c.i_one, out=b.t)  # 1 where v > 0
+    if exact:
+        b.mv_b.mul_(b.inv[:, None]).clamp_(max=c.one).nan_to_num_(nan=0.0)  # reference._normalized: y in [0, 1]
+        b.mv2.mul_(c.k_col)
     else:
-        torch.sqrt(y, out=lo)
-        if is_v:
-            lo.sqrt_()
-    inv_n = c.inv255 if is_v else c.inv127
-    lo.mul_(c.below255 if is_v else c.below127).floor_().clamp_(max=c.max_guess_v if is_v else c.max_guess_m)
-    square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
-    lo.add_(torch.ge(y, q1, out=u))
-    square_(torch.mul(lo, inv_n, out=q0), is_v)
-    square_(torch.add(lo, c.one, out=q1).mul_(inv_n), is_v)
-    # reference._stochastic_code: lo + (u * (q(lo+1) - q(lo)) < y - q(lo)), u = rand * 2**-16
-    q1.sub_(q0)
-    torch.sub(y, q0, out=q0)
-    u.copy_(b.rv if is_v else b.rm).mul_(c.two_m16).mul_(q1)
-    lo.add_(torch.lt(u, q0, out=u))
-    if is_v:
-        torch.maximum(lo, b.a, out=lo)  # a nonzero v never gets code 0
+        b.mv_b.mul_(b.fac_col)  # y * 2**k
+    # y * 2**(k-1) + 2**(k-15): fused or not, the same bits (the product by 0.5 is exact where it matters)
+    torch.add(c.add_col, b.mv2, alpha=0.5, out=b.u2)
+    torch.maximum(b.mv, b.u, out=b.mv)  # w * 2**k
+    # the code: (bits(w * 2**k) + random offset) >> shift, and 128 where m < 0 (16 * bits(1.0) is -2**27 mod
+    # 2**32); stored as uint8, which keeps the low 8 bits, the exponent offset being a multiple of 256
+    torch.bitwise_left_shift(b.z, c.up_col, out=b.r2).bitwise_and_(c.mask_col).add_(c.half_col)
+    b.r.add_(b.mv_i)
+    b.rm.add_(b.a_i, alpha=16)
+    b.r2.bitwise_right_shift_(c.shift_col)
+    if m_codes_out is b.m_codes:
+        b.codes.copy_(b.r)
     else:
-        torch.copysign(lo, x, out=lo)  # -c where m < 0; where m is -0 the code is 0 either way
-    codes_out.copy_(lo)
-    return True
+        m_codes_out.copy_(b.rm)
+        v_codes_out.copy_(b.rv)
+    if some_zero:
+        b.nz.copy_(b.t)
+        torch.maximum(v_codes_out, b.nz, out=v_codes_out)
+    else:
+        v_codes_out.clamp_(min=c.u8_one)
+
+
+def sign_and_abs(b: Buffers, c: Consts) -> None:
+    """``b.a`` = 1.0 where ``b.m < 0`` (not -0), 0.0 elsewhere; then ``b.m`` = ``|b.m|``."""
+    torch.lt(b.m, c.zero, out=b.a)
+    b.m.abs_()

@@ -283,45 +283,160 @@ def test_sqrt_is_correctly_rounded():
     assert torch.equal(b.a, reference.sqrt_rn(x))
 
 
-def test_hash_matches_reference_per_piece():
-    """A packed chunk: pieces of tensors at various chunk offsets and tensor offsets, each with its own key."""
+@pytest.mark.parametrize("aligned", [True, False], ids=["block-aligned", "unaligned"])
+@pytest.mark.parametrize("top", [True, False])
+def test_hash_matches_reference_per_piece(aligned, top):
+    """A packed chunk: pieces of tensors at various chunk offsets and tensor offsets, each with its own key. Pieces
+    that all start at a block take the per-block path, the others the cumsum."""
     sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
-    segs = [(0, 0, 300, 0, True), (1, 4096, 1000, 512, False), (2, 0, 1, 1536, True), (3, 7, 2000, 1537, False)]
+    if aligned:
+        segs = [(0, 0, 300, 0, True), (1, 4096, 1000, 512, False), (2, 0, 1, 1536, True), (3, 7, 2000, 1792, False)]
+        n = 3840
+    else:
+        segs = [(0, 0, 300, 0, True), (1, 4096, 1000, 300, False), (2, 0, 1, 1300, True), (3, 7, 2000, 1301, False)]
+        n = 3301
     keys = [reference.stream_key(s, i, 3, reference.STREAM_MV) for i, s in enumerate((0, 5, 2**32 - 1, 17))]
-    n = 3537
     b = sc.upto(n)
-    torch_passes.hash_into(b, sc.c, segs, keys)
+    assert (b.block_counts(tuple(s[3] for s in segs)) is not None) == aligned
+    torch_passes.hash_into(b, sc.c, segs, keys, top=top)
     full = torch_passes.full_bits(b)
     for (_, a, k, o, _), key in zip(segs, keys):
         want = reference.hash_uniform_bits(a + k, key, "cpu")[a:]
         assert torch.equal(full[o : o + k], want)
-        assert torch.equal(b.rm[o : o + k].long(), want >> 16)
-        assert torch.equal(b.rv[o : o + k].long(), want & 0xFFFF)
+        z = b.z[o : o + k].long() & reference.MASK32
+        if top:
+            assert torch.equal(b.t[o : o + k].long(), want >> 16)
+            assert torch.equal(z, want)  # the whole word
+        else:
+            assert torch.equal(z & 0xFFFF, want & 0xFFFF)  # its low half
 
 
-@pytest.mark.parametrize("is_v", [False, True])
-def test_8bit_codes_at_every_boundary(is_v):
-    """Normalized values at, just below and just above every code's decoded value, and the block maximum."""
-    table = reference._Q4_TABLE if is_v else reference._Q2_TABLE
-    near = torch.cat([table, torch.nextafter(table, torch.zeros(1)), torch.nextafter(table, torch.ones(1))])
-    near = near[(near >= 0) & (near <= 1)]
+def _encode_chunk(m, v, key):
+    """The engine's 8-bit encoding of one chunk (``m`` and ``v``, whole blocks), its path and the reference's
+    codes and scales for the same random words."""
+    n = m.numel()
+    sc = torch_passes.Scratch(torch.device("cpu"), n)
+    b = sc.upto(n)
+    torch_passes.hash_into(b, sc.c, [(0, 0, n, 0, True)], [key], top=False)
+    b.m.copy_(m)
+    b.v.copy_(v)
+    torch_passes.sign_and_abs(b, sc.c)
+    nb = n // reference.BLOCK
+    got = [torch.empty(k, dtype=d) for _ in range(2) for k, d in ((n, torch.uint8), (nb, torch.bfloat16))]
+    path = torch_passes.scales_8bit(b, sc.c, got[1], got[3])
+    if path != "ref":
+        torch_passes.encode_8bit(b, sc.c, got[0], got[2], path == "exact")
+    bits = reference.hash_uniform_bits(n, key, "cpu")
+    return got, [*reference.quantize_m(m, bits), *reference.quantize_v(v, bits)], path
+
+
+def _near_every_code(mant):
+    """Every code's value, the midpoints between neighbours, the subnormal boundary and tiny values, each also one
+    ulp below and above, within [0, 1]."""
+    values = reference.minifloat_value(torch.arange(15 * 2**mant + 1), mant)
+    extra = [2.0**-14, 2.0**-15, 2.0**-18, 2.0**-19, 2.0**-126, 1e-45, 3e-39, 1.0 - 2.0**-24]
+    x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor(extra)])
+    x = torch.cat([x, torch.nextafter(x, torch.zeros(1)), torch.nextafter(x, torch.ones(1))])
+    return x[(x >= 0) & (x <= 1)]
+
+
+# block maxima: ordinary, fast-path limits, and beyond them (the reference's clamp path): a tiny scale (1/scale
+# finite or inf), a huge one, one that rounds up to bf16 infinity
+_SCALES = [1.0, 0.73, 3e-5, 2.0**-125, 2.0**-126, 2.0**-127, 2.0**-129, 2.0**-133]
+_SCALES += [2.0**100, 2.0**101, 2.0**120, 3.39e38, 3.4e38]
+
+
+@pytest.mark.parametrize("top", _SCALES)
+def test_8bit_codes_at_every_boundary(top):
+    """Normalized values at, between, and one ulp around every code's value (both moments), signed zeros, fp32
+    subnormals, a zero block, in blocks with maxima across the range of scales; bit for bit with the reference."""
     gen = torch.Generator().manual_seed(1)
-    x = torch.cat([near, torch.rand(4096, generator=gen) ** 4])
-    x = torch.cat([x, x.new_zeros(-x.numel() % 256)]).view(-1, 256)
-    x[:, 0] = 1.0  # scale 1: y is exactly the value above
-    x[1, 0] = 0.73  # other scales too
-    x = x.reshape(-1)
-    if not is_v:
-        x[1::2] = -x[1::2]
-    sc = torch_passes.Scratch(torch.device("cpu"), 1 << 17)
-    b = sc.upto(x.numel())
-    torch_passes.hash_into(b, sc.c, [(0, 0, x.numel(), 0, True)], [12345])
-    codes = torch.empty(x.numel(), dtype=torch.uint8 if is_v else torch.int8)
-    scale = torch.empty(x.numel() // 256, dtype=torch.bfloat16)
-    want_codes, want_scale = (reference.quantize_v if is_v else reference.quantize_m)(x, torch_passes.full_bits(b))
-    assert torch_passes.encode(b, sc.c, x, x.numel() // 256, codes, scale, is_v)  # v is normalized in place
-    assert torch.equal(scale, want_scale)
-    assert torch.equal(codes, want_codes)
+    near = torch.cat([_near_every_code(3), _near_every_code(4)])
+    y = torch.cat([near, torch.rand(2048, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-13])
+    y = y[torch.randperm(y.numel(), generator=gen)]
+    y = torch.cat([y, y.new_zeros(-y.numel() % 256 + 256)]).view(-1, 256)  # the last block all zero
+    y[:-1, 0] = 1.0
+    y[1, 0] = 0.77
+    x = (y * top).reshape(-1)
+    x[5:600:256] = 1e-45  # fp32 subnormals in blocks with a large maximum: y underflows
+    m = torch.where(torch.rand(x.numel(), generator=gen) < 0.5, -x, x)
+    m[3::97] = -0.0
+    v = x.flip(0)
+    amax = torch.cat([m.abs(), v]).view(-1, 256).amax(1)
+    amax = amax[amax > 0]
+    fast = bool((amax >= torch_passes.FAST_SCALE_MIN).all() and (amax <= torch_passes.FAST_SCALE_MAX).all())
+    assert fast == (2.0**-126 / 0.77 <= top <= 2.0**100)
+    for key in (12345, 2**32 - 1):
+        got, want, path = _encode_chunk(m, v, key)
+        assert path == ("fast" if fast else "exact")
+        for g, w, name in zip(got, want, ("m codes", "m scales", "v codes", "v scales")):
+            assert same_bits(g, w), name
+
+
+@pytest.mark.parametrize("v_zeros", [True, False])
+def test_8bit_nonzero_v_never_gets_code_0(v_zeros):
+    """The two ways of keeping a nonzero v off code 0: a chunk without a zero v, and one with zeros."""
+    gen = torch.Generator().manual_seed(2)
+    v = torch.rand(4096, generator=gen) ** 20  # most far below 2**-18 of their block maximum
+    v[::256] = 1.0
+    v[7] = 1e-45
+    if v_zeros:
+        v[100:110] = 0.0
+    m = torch.randn(4096, generator=gen)
+    got, want, path = _encode_chunk(m, v, 99)
+    assert path == "fast"
+    assert same_bits(got[2], want[2]) and same_bits(got[3], want[3])
+    assert (got[2][v > 0] > 0).all() and (got[2][v == 0] == 0).all()
+    assert ((got[2] == 1) & (v < 1e-10)).sum() > 100  # the rule did matter
+
+
+def test_8bit_nan_and_inf_take_the_reference_path():
+    m = torch.randn(512)
+    v = torch.rand(512)
+    for bad in (float("nan"), float("inf")):
+        m2 = m.clone()
+        m2[300] = bad
+        assert _encode_chunk(m2, v, 1)[2] == "ref"
+        v2 = v.clone()
+        v2[3] = bad
+        assert _encode_chunk(m, v2, 1)[2] == "ref"
+
+
+def test_8bit_decode_every_code():
+    """Every code of both moments (including those above the largest the encoder writes) under scales 0, tiny,
+    ordinary, huge, inf and NaN."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(8)  # 8 blocks
+    scales = torch.tensor([0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126])
+    scales = scales.to(torch.bfloat16)
+    n = codes.numel()
+    sc = torch_passes.Scratch(torch.device("cpu"), n)
+    b = sc.upto(n)
+    torch_passes.decode_8bit(b, sc.c, codes, codes.flip(0), scales, scales.flip(0))
+    assert same_bits(b.m, reference.dequantize_m(codes, scales))
+    assert same_bits(b.v, reference.dequantize_v(codes.flip(0), scales.flip(0)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_state_at_extreme_scales(small_chunks, dtype):
+    """Steps from 8-bit states with tiny (bf16 subnormal, 1/scale infinite), huge and zero block scales, with zero,
+    tiny and signed-zero gradients: the engine's exact path and the reference agree."""
+    values, grads = _random([(1024,), (300,), (5000,)], steps=4, seed=12)
+    opt_a, pa, opt_b, pb = _twins(values, dtype, state_format="8bit", lr=1e-3, seed=4)
+    _run(opt_a, pa, opt_b, pb, grads[:1])
+    tiny = torch.tensor([2.0**-133, 2.0**-128, 2.0**-126, 0.0], dtype=torch.bfloat16)
+    for opt, ps in ((opt_a, pa), (opt_b, pb)):
+        s = opt.state[ps[0]]
+        s["exp_avg_scale"].copy_(tiny)
+        s["exp_avg_sq_scale"].copy_(tiny.flip(0))
+        s = opt.state[ps[2]]
+        s["exp_avg_scale"][::3] = 2.0**110
+        s["exp_avg_sq_scale"][::5] = 2.0**120
+    for row in grads[1:]:
+        row[0].zero_()
+        row[0][::7] = -0.0
+        row[0][::11] = 1e-40
+    _run(opt_a, pa, opt_b, pb, grads[1:])
+    assert_same(opt_a, pa, opt_b, pb)
 
 
 def test_comparison_notices_one_bit():
