@@ -31,9 +31,10 @@ def mix32(x):
 
 
 @triton.jit
-def stream_key(tensor_key, step, stream: tl.constexpr):
-    """``reference.stream_key`` given ``tensor_key = mix32(seed + GOLDEN * (tensor_index + 1))`` (uint32)."""
-    k = mix32(tensor_key ^ mix32(step))
+def stream_key(tensor_key, mixed_step, stream: tl.constexpr):
+    """``reference.stream_key`` given ``tensor_key = mix32(seed + GOLDEN * (tensor_index + 1))`` and
+    ``mixed_step = mix32(step)`` (uint32)."""
+    k = mix32(tensor_key ^ mixed_step)
     stream_add: tl.constexpr = (stream * STREAM_MUL) & 0xFFFFFFFF
     return mix32(k + stream_add)
 
@@ -68,6 +69,36 @@ def f32_to_bf16_bits_nearest(x):
     b = f32_bits(x)
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     return tl.where(x != x, BF16_NAN, r).to(tl.uint16)
+
+
+@triton.jit
+def f32_to_bf16_hi_stochastic(x, bits):
+    """``f32_to_bf16_bits_stochastic`` with the bf16 bits in the high half of a uint32 (the low half is not cleared):
+    the form that :func:`pack_bf16_hi` stores two to a word. A NaN becomes 0x7FC00000 first, which the rounding leaves
+    at 0x7FC0 (the random bits stay below the high half)."""
+    return tl.where(x != x, BF16_NAN << 16, f32_bits(x)) + (bits >> 16)
+
+
+@triton.jit
+def f32_to_bf16_hi_nearest(x):
+    """``f32_to_bf16_bits_nearest`` with the bf16 bits in the high half of a uint32 (see f32_to_bf16_hi_stochastic)."""
+    b = tl.where(x != x, BF16_NAN << 16, f32_bits(x))
+    return b + 0x7FFF + ((b >> 16) & 1)
+
+
+@triton.jit
+def pack_bf16_hi(r):
+    """uint32 [R, B] holding bf16 bits in their high halves -> [R, B // 2] words of two (element 2k in the low
+    half)."""
+    lo, hi = tl.split(tl.reshape(r, (r.shape[0], r.shape[1] // 2, 2)))
+    return (lo >> 16) | (hi & 0xFFFF0000)
+
+
+@triton.jit
+def unpack_bf16(w):
+    """[R, W] words of two bf16 values (low half first) -> fp32 [R, 2 * W], exact."""
+    x = tl.join(w << 16, w & 0xFFFF0000)
+    return tl.reshape(x, (x.shape[0], 2 * x.shape[1])).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -14,17 +14,19 @@ search, started from a table with one entry per WORK_GROUP programs, so no per-c
 address table gives each
 tensor's parameter, gradient and state pointers (a gradient address of 0 marks a tensor that does not step now).
 Random bits for stochastic rounding come from the counter-based hash of (seed, tensor index, step, stream, element),
-computed in the kernel from a per-tensor key, so nothing but the step number changes from step to step.
+computed in the kernel from a per-tensor key and ``mix32(step)`` (mixed on the host), so nothing but that number
+changes from step to step.
 
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
-``"8bit"`` int8/uint8 codes with one bf16 scale per 256 elements. bf16/fp16 parameters are rounded stochastically
-(``STOCHASTIC_PARAM``) or to nearest.
+``"8bit"`` uint8 minifloat codes (format version 2) with one bf16 scale per 256 elements. bf16/fp16 parameters are
+rounded stochastically (``STOCHASTIC_PARAM``) or to nearest. With 8-bit state, a bf16 parameter is rounded with the
+top 16 bits of the moments' random word (``reference.param_stream``), so the kernel hashes one word per element.
 """
 
 import triton
 import triton.language as tl
 
-from ._quant import dequant_m, dequant_v, quant_m, quant_v
+from ._quant import dequant_m, dequant_m_words, dequant_v, dequant_v_words, quant_m, quant_v
 from ._rounding import (
     GOLDEN,
     STREAM_MV,
@@ -32,9 +34,14 @@ from ._rounding import (
     bf16_bits_to_f32,
     f32_to_bf16_bits_nearest,
     f32_to_bf16_bits_stochastic,
+    f32_to_bf16_hi_nearest,
+    f32_to_bf16_hi_stochastic,
     f32_to_f16_stochastic,
+    mix32,
+    pack_bf16_hi,
     stream_key,
     uniform_bits,
+    unpack_bf16,
 )
 
 QBLOCK = tl.constexpr(256)
@@ -58,7 +65,21 @@ def _base(addr, start, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr):
+def _words(ptr, ALIGNED: tl.constexpr):
+    """``ptr`` as a pointer to uint32 words (16-byte aligned when ``ALIGNED``)."""
+    wptr = ptr.to(tl.pointer_type(tl.uint32), bitcast=True)
+    if ALIGNED:
+        wptr = tl.multiple_of(wptr, 16)
+    return wptr
+
+
+@triton.jit
+def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr, WORDS: tl.constexpr, ALIGNED: tl.constexpr, w2offs, w2mask):
+    """Load a [R, 256] tile as fp32. With ``WORDS`` (whole blocks at aligned addresses) bf16 is read as uint32 words of
+    two values and widened with one integer operation each (a shift, a mask): the 16-bit halves of a vector load are
+    otherwise extracted one by one before the shift."""
+    if DTYPE == tl.bfloat16 and WORDS:
+        return unpack_bf16(tl.load(_words(ptr, ALIGNED) + w2offs, mask=w2mask, other=0))
     x = tl.load(ptr + offs, mask=mask, other=0)
     if DTYPE == tl.bfloat16:
         return bf16_bits_to_f32(x)
@@ -84,7 +105,7 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
     return lo, pid - tl.load(cstart_ptr + lo)
 
 
-@triton.jit(do_not_specialize=["num_work", "num_tensors", "step"])
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step"])
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
@@ -94,7 +115,7 @@ def _adamw_kernel(
     tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
     num_work,
     num_tensors,
-    step,
+    mixed_step,  # mix32(step), the step's part of the random keys, mixed on the host (unused with PER_TENSOR_STEP)
     step_size,
     inv_bc2_sqrt,
     beta1,
@@ -129,15 +150,25 @@ def _adamw_kernel(
             mask = tl.broadcast_to(rows[:, None] * QBLOCK < rest, (ROWS, QBLOCK))
         else:
             mask = offs < rest
+        # Whole blocks at 16-byte aligned addresses: 16-bit and 8-bit data move as uint32 words (each thread then holds
+        # 8 consecutive elements). Not with fp32 moments: their loads give each thread two runs of 4 elements, 128
+        # apart, and 16-bit data loaded element-wise is redistributed to match with fewer shuffles.
+        WORDS: tl.constexpr = EVEN and ALIGNED and FMT != "fp32"
+        if WORDS:
+            w2offs = rows[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :]
+            w2mask = tl.broadcast_to(rows[:, None] * QBLOCK < rest, (ROWS, QBLOCK // 2))
+        else:
+            w2offs = offs
+            w2mask = mask
 
         if PER_TENSOR_STEP:
-            step = tl.load(tstep_ptr + t)
+            mixed_step = mix32(tl.load(tstep_ptr + t).to(tl.uint32, bitcast=True)).to(tl.int32, bitcast=True)
             step_size = tl.load(tstep_ptr + num_tensors + t).to(tl.float32, bitcast=True)
             inv_bc2_sqrt = tl.load(tstep_ptr + 2 * num_tensors + t).to(tl.float32, bitcast=True)
         NEED_P_BITS: tl.constexpr = STOCHASTIC_PARAM and (P_DTYPE != tl.float32)
         if FMT != "fp32" or NEED_P_BITS:
             tkey = tl.load(tkey_ptr + t).to(tl.uint32, bitcast=True)
-            ustep = step.to(tl.uint32)
+            ustep = mixed_step.to(tl.uint32, bitcast=True)
             # Element index mod 2**32 times GOLDEN, as in reference.hash_uniform_bits.
             idx_golden = (start.to(tl.uint32) + offs.to(tl.uint32)) * GOLDEN
 
@@ -145,45 +176,89 @@ def _adamw_kernel(
         m_addr = tl.load(addr_ptr + ADDR_M * num_tensors + t)
         v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
 
-        g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE)
+        g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if MAXIMIZE:
             g = -g
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
-        p = _load_f32(p_ptr, offs, mask, P_DTYPE)
+        p = _load_f32(p_ptr, offs, mask, P_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
             blk0 = start // QBLOCK
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            mc_ptr = _base(m_addr, start, tl.int8, ALIGNED)
+            mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
-            m = dequant_m(tl.load(mc_ptr + offs, mask=mask, other=0), tl.load(ms_ptr + rows, mask=bmask, other=0))
-            v = dequant_v(tl.load(vc_ptr + offs, mask=mask, other=0), tl.load(vs_ptr + rows, mask=bmask, other=0))
+            msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
+            vsc = tl.load(vs_ptr + rows, mask=bmask, other=0)
+            if EVEN and ALIGNED:
+                # Whole blocks at 16-byte aligned addresses: the codes are read as uint32 words, four to a word, and
+                # decoded two at a time (see _quant.dequant_m_words).
+                woffs = rows[:, None] * (QBLOCK // 4) + tl.arange(0, QBLOCK // 4)[None, :]
+                wmask = tl.broadcast_to(rows[:, None] * QBLOCK < rest, (ROWS, QBLOCK // 4))
+                mw_ptr = tl.multiple_of(m_addr.to(tl.pointer_type(tl.uint32)) + start // 4, 16)
+                vw_ptr = tl.multiple_of(v_addr.to(tl.pointer_type(tl.uint32)) + start // 4, 16)
+                m = dequant_m_words(tl.load(mw_ptr + woffs, mask=wmask, other=0), msc)
+                v = dequant_v_words(tl.load(vw_ptr + woffs, mask=wmask, other=0), vsc)
+            else:
+                m = dequant_m(tl.load(mc_ptr + offs, mask=mask, other=0), msc)
+                v = dequant_v(tl.load(vc_ptr + offs, mask=mask, other=0), vsc)
         elif FMT == "compact":
             m_ptr = _base(m_addr, start, tl.bfloat16, ALIGNED)
             v_ptr = _base(v_addr, start, tl.bfloat16, ALIGNED)
-            m = _load_f32(m_ptr, offs, mask, tl.bfloat16)
-            v = _load_f32(v_ptr, offs, mask, tl.bfloat16)
+            m = _load_f32(m_ptr, offs, mask, tl.bfloat16, WORDS, ALIGNED, w2offs, w2mask)
+            v = _load_f32(v_ptr, offs, mask, tl.bfloat16, WORDS, ALIGNED, w2offs, w2mask)
         else:
             m_ptr = _base(m_addr, start, tl.float32, ALIGNED)
             v_ptr = _base(v_addr, start, tl.float32, ALIGNED)
-            m = _load_f32(m_ptr, offs, mask, tl.float32)
-            v = _load_f32(v_ptr, offs, mask, tl.float32)
+            m = _load_f32(m_ptr, offs, mask, tl.float32, WORDS, ALIGNED, w2offs, w2mask)
+            v = _load_f32(v_ptr, offs, mask, tl.float32, WORDS, ALIGNED, w2offs, w2mask)
 
         m = m * beta1 + g * one_minus_beta1
         v = v * beta2 + (g * g) * one_minus_beta2
+
+        # The moments are stored first: they are final here, and nothing computed for them (predicates included) then
+        # stays live across the branches of the IEEE square root and division below.
+        if FMT == "fp32":
+            tl.store(m_ptr + offs, m, mask=mask)
+            tl.store(v_ptr + offs, v, mask=mask)
+        else:
+            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9
+            # v, bits 10-15 m, and the top 16 a bf16 parameter).
+            bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
+            if FMT == "compact":
+                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
+                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=mask)
+            else:
+                # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
+                one = bmask.to(tl.uint32)[:, None]
+                cm, sm = quant_m(m, mask, bits_mv, one)
+                cv, sv = quant_v(v, mask, bits_mv, one)
+                tl.store(mc_ptr + offs, cm, mask=mask)
+                tl.store(vc_ptr + offs, cv, mask=mask)
+                tl.store(ms_ptr + rows, sm, mask=bmask)
+                tl.store(vs_ptr + rows, sv, mask=bmask)
+
         denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
         p = p * decay - tl.math.div_rn(m, denom) * step_size
-
         if P_DTYPE == tl.float32:
             tl.store(p_ptr + offs, p, mask=mask)
         elif P_DTYPE == tl.bfloat16:
-            if STOCHASTIC_PARAM:
+            if STOCHASTIC_PARAM and FMT == "8bit":
+                bits_p = bits_mv
+            elif STOCHASTIC_PARAM:
                 bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
-                pb = f32_to_bf16_bits_stochastic(p, bits_p)
+            if WORDS:
+                if STOCHASTIC_PARAM:
+                    pw = pack_bf16_hi(f32_to_bf16_hi_stochastic(p, bits_p))
+                else:
+                    pw = pack_bf16_hi(f32_to_bf16_hi_nearest(p))
+                tl.store(_words(p_ptr, ALIGNED) + w2offs, pw, mask=w2mask)
             else:
-                pb = f32_to_bf16_bits_nearest(p)
-            tl.store(p_ptr + offs, pb, mask=mask)
+                if STOCHASTIC_PARAM:
+                    pb = f32_to_bf16_bits_stochastic(p, bits_p)
+                else:
+                    pb = f32_to_bf16_bits_nearest(p)
+                tl.store(p_ptr + offs, pb, mask=mask)
         else:
             if STOCHASTIC_PARAM:
                 bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
@@ -191,20 +266,3 @@ def _adamw_kernel(
             else:
                 ph = p.to(tl.float16)
             tl.store(p_ptr + offs, ph, mask=mask)
-
-        if FMT == "fp32":
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
-        else:
-            # One random word per element: its top 16 bits round m, its low 16 bits round v.
-            bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
-            if FMT == "compact":
-                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
-                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=mask)
-            else:
-                cm, sm = quant_m(m, mask, bits_mv)
-                cv, sv = quant_v(v, mask, bits_mv)
-                tl.store(mc_ptr + offs, cm, mask=mask)
-                tl.store(vc_ptr + offs, cv, mask=mask)
-                tl.store(ms_ptr + rows, sm, mask=bmask)
-                tl.store(vs_ptr + rows, sv, mask=bmask)

@@ -7,6 +7,9 @@ the CPU; ``scripts/probes/issue_probe.py`` times it on a GPU through the normal 
 
 Variants:
     shipped      the kernel as it is.
+    rev:<REV>    the kernel of a git revision (``git show REV:apexw_hf/...``: the kernels package and the random
+                 streams it imports, written to ``<tmp>/apexw_kernel_variants/apexw_rev_<commit>/``), for before/after
+                 counts.
     approx_math  the update's IEEE square root and division replaced by the approximate hardware ones (tl.sqrt,
                  ``/``): the cost of correct rounding, including the per-element slow-path branches ptxas emits.
 """
@@ -14,6 +17,7 @@ Variants:
 from __future__ import annotations
 
 import importlib
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,10 +34,34 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 }
 
 
+def load_revision(rev: str):
+    """The ``_adamw_kernel`` of git revision ``rev`` of this repository."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout
+
+    commit = git("rev-parse", "--verify", f"{rev}^{{commit}}").strip()
+    pkg = f"apexw_rev_{commit[:12]}"
+    folder = Path(tempfile.gettempdir()) / "apexw_kernel_variants"
+    (folder / pkg / "kernels").mkdir(parents=True, exist_ok=True)
+    (folder / pkg / "__init__.py").write_text("")
+    (folder / pkg / "_random.py").write_text(git("show", f"{commit}:apexw_hf/_random.py"))
+    for path in git("ls-tree", "--name-only", f"{commit}:apexw_hf/kernels").split():
+        if path.endswith(".py"):
+            (folder / pkg / "kernels" / path).write_text(git("show", f"{commit}:apexw_hf/kernels/{path}"))
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+    return importlib.import_module(f"{pkg}.kernels.adamw")._adamw_kernel
+
+
 def load(name: str):
-    """The ``_adamw_kernel`` of variant ``name`` (the shipped one for ``shipped``)."""
+    """The ``_adamw_kernel`` of variant ``name`` (the shipped one for ``shipped``, a git revision's for
+    ``rev:<REV>``)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
+    if name.startswith("rev:"):
+        return load_revision(name[4:])
     if name == "shipped":
         from apexw_hf.kernels.adamw import _adamw_kernel
 

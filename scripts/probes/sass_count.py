@@ -5,6 +5,7 @@ instruction count per element is the number to drive down; this prints it, with 
 memory instructions (vector widths), from the cubin Triton builds for the target.
 
     python scripts/probes/sass_count.py 8bit fp32 --rows 1 --warps 1 [--cc 90] [--sass out.sass]
+    python scripts/probes/sass_count.py 8bit bf16 --variant rev:HEAD~3     # the kernel of an earlier commit
 
 The static count covers the whole kernel, slow paths of the IEEE division and square root included; the main
 path is printed separately (everything before the first subroutine).
@@ -46,7 +47,11 @@ def main() -> None:
     ap.add_argument("--uneven", action="store_true", help="the EVEN=False specialization (element masks)")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
     ap.add_argument("--nearest", action="store_true", help="16-bit parameters rounded to nearest")
-    ap.add_argument("--variant", default="shipped", choices=list(kernel_variants.VARIANTS), help="a probe variant")
+    ap.add_argument(
+        "--variant",
+        default="shipped",
+        help=f"a probe variant ({', '.join(kernel_variants.VARIANTS)}) or rev:<git revision> (the kernel of a commit)",
+    )
     a = ap.parse_args()
     spec = dict(
         FMT=a.fmt,
@@ -59,9 +64,12 @@ def main() -> None:
         EVEN=not a.uneven,
         ROWS=a.rows,
     )
-    src = triton.compiler.ASTSource(
-        fn=kernel_variants.load(a.variant), signature={**SIGNATURE, **{k: "constexpr" for k in spec}}, constexprs=spec
-    )
+    if not a.variant.startswith("rev:") and a.variant not in kernel_variants.VARIANTS:
+        ap.error(f"unknown variant {a.variant!r}")
+    fn = kernel_variants.load(a.variant)
+    # the runtime arguments by name (another revision's kernel may name one differently: int32 then)
+    runtime = {k: SIGNATURE.get(k, "i32") for k in fn.arg_names if k not in spec}
+    src = triton.compiler.ASTSource(fn=fn, signature={**runtime, **{k: "constexpr" for k in spec}}, constexprs=spec)
     k = triton.compile(
         src, target=GPUTarget("cuda", a.cc, 32), options={"num_warps": a.warps, "enable_fp_fusion": False}
     )

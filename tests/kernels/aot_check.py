@@ -2,7 +2,7 @@
 
 Run as a script (without TRITON_INTERPRET): ``python tests/kernels/aot_check.py 75``. Prints one line per
 specialization and exits non-zero if any PTX holds a hardware bf16 conversion (``cvt.rn.bf16``, absent before
-sm_80), FMA contraction, an approximate division, or an approximate square root outside the 8-bit code search.
+sm_80), FMA contraction, an approximate division, square root or reciprocal, or any flush-to-zero instruction.
 """
 
 import itertools
@@ -25,74 +25,83 @@ SIGNATURE = {
     "tstep_ptr": "*i32",
     "num_work": "i32",
     "num_tensors": "i32",
-    "step": "i32",
+    "mixed_step": "i32",
     **{
         k: "fp32"
         for k in ("step_size", "inv_bc2_sqrt", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "decay", "eps")
     },
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
-# Flush-to-zero is harmless only in floor (cvt.rmi), whose inputs here are >= 0: floor of a subnormal is +0 anyway,
-# and in the 8-bit format's approximate roots, which only guess a code that one exact comparison then settles (a
-# subnormal y guesses code 0, which is its code). The update itself must use the IEEE sqrt.rn and div.rn.
-BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"div\.approx", r"div\.full", r"^(?!\s*(cvt\.rmi|sqrt\.approx)\.).*\.ftz\."]
-BAD_OUTSIDE_8BIT = [r"sqrt\.approx"]
+# Every instruction of the update and of the 8-bit codes must round as IEEE does on subnormals too: no flush-to-zero,
+# no approximate math, no contraction into FMA.
+BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"\.approx\.", r"div\.full", r"\.ftz\."]
 REQUIRED = [r"sqrt\.rn\.f32", r"div\.rn\.f32"]
+# (rows, warps) of launch.LAUNCH_CONFIG, and a larger tile
+TILES = [(1, 1), (4, 4), (8, 8)]
+
+
+def _spec(fmt, p, g, **kw):
+    spec = dict(
+        FMT=fmt,
+        P_DTYPE=DTYPES[p],
+        G_DTYPE=DTYPES[g],
+        MAXIMIZE=False,
+        STOCHASTIC_PARAM=p != "fp32",
+        PER_TENSOR_STEP=False,
+        ALIGNED=True,
+        EVEN=True,
+        ROWS=8,
+    )
+    spec.update(kw)
+    return spec
 
 
 def specializations():
+    """(constexprs, num_warps): every format x param dtype x grad dtype on the fast path (whole blocks, aligned), the
+    launch tiles, and the other paths: element-wise (unaligned, partial blocks), rounding to nearest, maximize, per
+    tensor steps."""
     for fmt, p, g in itertools.product(("fp32", "compact", "8bit"), DTYPES, DTYPES):
-        yield dict(
-            FMT=fmt,
-            P_DTYPE=DTYPES[p],
-            G_DTYPE=DTYPES[g],
-            MAXIMIZE=False,
-            STOCHASTIC_PARAM=p != "fp32",
-            PER_TENSOR_STEP=False,
-            ALIGNED=True,
-            EVEN=True,
-            ROWS=8,
-        )
+        yield _spec(fmt, p, g), 8
+    for fmt, (rows, warps) in itertools.product(("fp32", "compact", "8bit"), TILES):
+        yield _spec(fmt, "bf16", "bf16", ROWS=rows), warps
+        yield _spec(fmt, "fp32", "fp32", ROWS=rows), warps
     for fmt in ("fp32", "compact", "8bit"):
-        yield dict(
-            FMT=fmt,
-            P_DTYPE=tl.bfloat16,
-            G_DTYPE=tl.bfloat16,
-            MAXIMIZE=True,
-            STOCHASTIC_PARAM=False,
-            PER_TENSOR_STEP=True,
-            ALIGNED=False,
-            EVEN=False,
-            ROWS=8,
+        yield (
+            _spec(
+                fmt,
+                "bf16",
+                "bf16",
+                MAXIMIZE=True,
+                STOCHASTIC_PARAM=False,
+                PER_TENSOR_STEP=True,
+                ALIGNED=False,
+                EVEN=False,
+            ),
+            8,
         )
-        yield dict(
-            FMT=fmt,
-            P_DTYPE=tl.float16,
-            G_DTYPE=tl.float32,
-            MAXIMIZE=False,
-            STOCHASTIC_PARAM=False,
-            PER_TENSOR_STEP=False,
-            ALIGNED=True,
-            EVEN=False,
-            ROWS=8,
-        )
+        yield _spec(fmt, "fp16", "fp32", STOCHASTIC_PARAM=False, EVEN=False), 8
+        yield _spec(fmt, "bf16", "fp32", STOCHASTIC_PARAM=False, ROWS=1), 1  # nearest, whole blocks
+        yield _spec(fmt, "bf16", "bf16", ALIGNED=False, ROWS=1), 1  # whole blocks, unaligned
 
 
 def main(cc: int) -> int:
     failures = 0
-    for spec in specializations():
+    for spec, warps in specializations():
         t0 = time.time()
         src = triton.compiler.ASTSource(
             fn=_adamw_kernel, signature={**SIGNATURE, **{k: "constexpr" for k in spec}}, constexprs=spec
         )
-        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+        k = triton.compile(
+            src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
+        )
         ptx = k.asm["ptx"]
-        bad = [b for b in BAD + (BAD_OUTSIDE_8BIT if spec["FMT"] != "8bit" else []) if re.search(b, ptx, re.M)]
+        bad = [b for b in BAD if re.search(b, ptx, re.M)]
         bad += [f"missing {r}" for r in REQUIRED if not re.search(r, ptx)]
         failures += bool(bad)
         name = (
             f"{spec['FMT']} p={spec['P_DTYPE']} g={spec['G_DTYPE']} max={spec['MAXIMIZE']} "
-            f"sr={spec['STOCHASTIC_PARAM']} per_tensor={spec['PER_TENSOR_STEP']}"
+            f"sr={spec['STOCHASTIC_PARAM']} per_tensor={spec['PER_TENSOR_STEP']} aligned={spec['ALIGNED']} "
+            f"even={spec['EVEN']} tile={spec['ROWS']}x{warps}"
         )
         print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
     return failures

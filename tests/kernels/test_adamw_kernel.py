@@ -12,15 +12,37 @@ from .helpers import DEVICE, DTYPES, SHAPES, mismatch, same_bits
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
 
-def _run_both(params, grads_per_step, fmt, *, param_rounding="stochastic", maximize=False, seed=3, first_index=5):
-    """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything."""
+def _run_both(
+    params,
+    grads_per_step,
+    fmt,
+    *,
+    param_rounding="stochastic",
+    maximize=False,
+    seed=3,
+    first_index=5,
+    states=None,
+    hp=HP,
+    words=None,
+):
+    """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything.
+
+    ``states``: initial states (default: fresh ones); ``hp``: hyperparameters; ``words``: whether the launch must
+    (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words.
+    """
     kp = [p.clone() for p in params]
     rp = [p.clone() for p in params]
-    ks = [st.init_state(p, fmt) for p in params]
+    ks = (
+        [st.init_state(p, fmt) for p in params]
+        if states is None
+        else [{k: v.clone() for k, v in s.items()} for s in states]
+    )
     rs = [{k: v.clone() for k, v in s.items()} for s in ks]
     indices = [first_index + i for i in range(len(params))]
+    if words is not None:
+        assert _takes_word_path(kp, grads_per_step[0], ks) == words
     for step, grads in enumerate(grads_per_step, start=1):
-        scalars = ref.StepScalars.make(step=step, **HP)
+        scalars = ref.StepScalars.make(step=step, **hp)
         adamw_step_(
             kp,
             grads,
@@ -53,6 +75,12 @@ def _run_both(params, grads_per_step, fmt, *, param_rounding="stochastic", maxim
                 assert same_bits(sa[key], sb[key]), (
                     f"{key} of param {i} {tuple(a.shape)}: {mismatch(sa[key], sb[key])}"
                 )
+
+
+def _takes_word_path(params, grads, states) -> bool:
+    """Whether a launch over these tensors is specialized EVEN and ALIGNED (see launch.LaunchPlan)."""
+    tensors = list(params) + list(grads) + [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
+    return all(p.numel() % 256 == 0 for p in params) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _randn(shape, dtype, gen, scale=1.0):
@@ -142,3 +170,144 @@ def test_program_lookup_over_many_tensors(fmt):
     params = [_randn((n,), torch.float32, gen) for n in sizes]
     grads = [[_randn((n,), torch.float32, gen) for n in sizes]]
     _run_both(params, grads, fmt)
+
+
+WHOLE_BLOCKS = [(256,), (4, 128), (1024,), (3, 512)]
+
+
+@pytest.mark.parametrize("fmt,pdt,gdt", CASES)
+def test_whole_blocks_word_path(fmt, pdt, gdt):
+    """Every tensor whole 256-element blocks at aligned addresses: the specialization that loads and stores 16-bit and
+    8-bit data as uint32 words."""
+    gen = torch.Generator().manual_seed(10)
+    params = [_randn(s, DTYPES[pdt], gen) for s in WHOLE_BLOCKS]
+    grads = [[_randn(s, DTYPES[gdt], gen, scale=1 + k) for s in WHOLE_BLOCKS] for k in range(2)]
+    _run_both(params, grads, fmt, words=True)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("pdt", ["bf16", "fp16"])
+def test_whole_blocks_nearest_rounding_and_maximize(fmt, pdt):
+    gen = torch.Generator().manual_seed(11)
+    params = [_randn(s, DTYPES[pdt], gen) for s in WHOLE_BLOCKS[:2]]
+    grads = [[_randn(s, torch.float32, gen) for s in WHOLE_BLOCKS[:2]] for _ in range(2)]
+    _run_both(params, grads, fmt, param_rounding="nearest", maximize=True, words=True)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+def test_whole_blocks_unaligned_gradient(fmt):
+    """Whole blocks, but a gradient at an address that is not 16-byte aligned: element-wise loads and stores."""
+    gen = torch.Generator().manual_seed(12)
+    params = [_randn((512,), torch.bfloat16, gen), _randn((256,), torch.bfloat16, gen)]
+    grads = []
+    for _ in range(2):
+        buf = _randn((513,), torch.bfloat16, gen)
+        grads.append([buf[1:], _randn((256,), torch.bfloat16, gen)])
+    _run_both(params, grads, fmt, words=False)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
+def test_special_values_word_path(fmt, even):
+    """NaN, inf, signed zeros, subnormals in parameters and gradients (bf16), through both load paths."""
+    dtype = torch.bfloat16
+    tensors = [t[:512] if even else t for t in _special_tensors(dtype)[:3]]
+    tensors = [torch.cat([t, t[: 512 - t.numel()]]) if even and t.numel() < 512 else t for t in tensors]
+    params = [t.to(dtype).to(DEVICE) for t in tensors]
+    grads = [[t.roll(3 * k).to(dtype).to(DEVICE) for t in tensors] for k in range(2)]
+    _run_both(params, grads, fmt, words=even)
+
+
+def _all_codes_state(p, gen):
+    """An 8-bit state holding every m code and every v code in each block, with scales that cover the ordinary and
+    the special cases (0, subnormal, huge, inf, NaN)."""
+    s = st.init_state(p, "8bit")
+    nb = s["exp_avg_scale"].numel()
+    s["exp_avg"].copy_(
+        torch.stack([torch.randperm(256, generator=gen) for _ in range(nb)]).reshape(-1)[: p.numel()].view(p.shape)
+    )
+    s["exp_avg_sq"].copy_(
+        torch.stack([torch.randperm(256, generator=gen) for _ in range(nb)]).reshape(-1)[: p.numel()].view(p.shape)
+    )
+    specials = [1.0, 3.0, 2.0**-10, 0.0, 2.0**-133, 1e30, float("inf"), float("nan")]
+    s["exp_avg_scale"].copy_(torch.tensor([specials[i % len(specials)] for i in range(nb)]))
+    s["exp_avg_sq_scale"].copy_(torch.tensor([specials[(i + 3) % len(specials)] for i in range(nb)]))
+    return {k: v.to(DEVICE) for k, v in s.items()}
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+@pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
+def test_8bit_every_code_in_the_state(pdt, even):
+    """States holding every code under every kind of scale are decoded, updated and re-encoded as the reference does
+    (decoding by words and by bytes)."""
+    gen = torch.Generator().manual_seed(13)
+    shapes = [(2048,), (8, 256)] if even else [(2048,), (7, 77)]
+    params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+    states = [_all_codes_state(p, gen) for p in params]
+    grads = [[_randn(s, torch.float32, gen) for s in shapes]]
+    _run_both(params, grads, "8bit", states=states, words=even)
+
+
+def test_8bit_encoder_sees_exact_values():
+    """beta1 = beta2 = 0: the new moments are the gradient and its square, so the values at the code boundaries
+    (the code values, their neighbours, the subnormal/normal boundary) reach the encoder exactly."""
+    c = ref.minifloat_value(torch.arange(121), ref.M_MANT)
+    b = ref.MIN_NORMAL
+    vals = torch.cat(
+        [
+            c,
+            torch.nextafter(c, torch.zeros_like(c)),
+            torch.nextafter(c, torch.ones_like(c)),
+            torch.tensor([b, b * (1 - 2**-24), b - 2**-38, 2**-149, 0.0, -0.0]),
+        ]
+    )
+    vals = vals[vals <= 1]
+    g = torch.cat([torch.ones(1), vals, -vals])
+    g = torch.cat([g, torch.zeros(256 * ref.num_blocks(g.numel()) - g.numel())])
+    params = [torch.zeros_like(g).to(DEVICE)]
+    hp = dict(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+    _run_both(params, [[g.to(DEVICE)]], "8bit", hp=hp, words=True)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+def test_per_tensor_steps(fmt):
+    """Tensors of one launch at different step counts (after missing gradients): each its own random stream and bias
+    corrections."""
+    import numpy as np
+
+    from apexw_hf.kernels import LaunchPlan
+
+    gen = torch.Generator().manual_seed(14)
+    shapes = [(512,), (256,), (300,)]
+    params = [_randn(s, torch.bfloat16, gen) for s in shapes]
+    grads = [_randn(s, torch.float32, gen) for s in shapes]
+    steps = [3, 7, 1]
+    kp = [p.clone() for p in params]
+    ks = [st.init_state(p, fmt) for p in params]
+    rs = [{k: v.clone() for k, v in s.items()} for s in ks]
+    sc = [ref.StepScalars.make(step=t, **HP) for t in steps]
+    plan = LaunchPlan(kp, ks, fmt, [0, 1, 2], 9, torch.float32)
+    plan.set_grad_ptrs([g.data_ptr() for g in grads])
+    plan.set_tensor_steps(np.array(steps), [s.step_size for s in sc], [s.inv_bc2_sqrt for s in sc])
+    plan.launch(step=steps[0], scalars=sc[0], maximize=False, stochastic_param=True, per_tensor_step=True)
+    for i, (p, g, s) in enumerate(zip(params, grads, rs)):
+        r = p.clone()
+        ref.adamw_step_ref_(r, g, s, fmt=fmt, scalars=sc[i], seed=9, tensor_index=i, step=steps[i])
+        assert same_bits(kp[i], r), f"param {i}: {mismatch(kp[i], r)}"
+        for key in s:
+            assert same_bits(ks[i][key], s[key]), f"{key} of param {i}: {mismatch(ks[i][key], s[key])}"
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+@pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
+def test_nan_payloads_round_to_the_bf16_nan(rounding, even):
+    """A NaN with every payload bit set (the NaN of CUDA arithmetic; the CPU propagates a gradient's payload) must
+    still round to the bf16 NaN: adding the rounding bits to its pattern would carry into the sign."""
+    gen = torch.Generator().manual_seed(15)
+    n = 512 if even else 300
+    params = [_randn((n,), torch.bfloat16, gen)]
+    g = _randn((n,), torch.float32, gen)
+    g.view(torch.int32)[7] = 0x7FFFFFFF
+    g.view(torch.int32)[300 - 9] = -1  # 0xFFFFFFFF
+    _run_both(params, [[g]], "compact", param_rounding=rounding, words=even)
+    _run_both(params, [[g]], "8bit", param_rounding=rounding, words=even)

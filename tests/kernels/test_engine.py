@@ -80,6 +80,38 @@ def test_engine_matches_torch_path(fmt):
     assert not ob.state.get(pb[5])
 
 
+@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+def test_engine_whole_blocks_matches_torch_path(fmt):
+    """Parameters of whole 256-element blocks (the kernel's word path) in bf16 and fp32, a gradient missing at some
+    steps (tensors of a launch at different step counts), bf16 gradients for a bf16 parameter."""
+    gen = torch.Generator().manual_seed(3)
+    spec = [((256,), torch.bfloat16), ((4, 256), torch.bfloat16), ((512,), torch.float32), ((2, 128), torch.float32)]
+
+    def params():
+        ps = [
+            torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dt).to(DEVICE))
+            for i, (s, dt) in enumerate(spec)
+        ]
+        for p in ps:
+            if hasattr(p, "grad_dtype"):
+                p.grad_dtype = None
+        return ps
+
+    grads = []
+    for step in range(4):
+        row = [torch.randn(s, generator=gen).to(dt).to(DEVICE) for s, dt in spec]
+        if step in (1, 2):
+            row[1] = None
+        grads.append(row)
+    pa, pb = params(), params()
+    oa = ApexW([{"params": pa}], lr=1e-2, state_format=fmt, engine="torch", seed=5)
+    ob = ApexW([{"params": pb}], lr=1e-2, state_format=fmt, engine="triton", seed=5)
+    _run(pa, oa, grads)
+    _run(pb, ob, grads)
+    _assert_same(pa, oa, pb, ob)
+    assert [float(ob.state[p]["step"]) for p in pb] == [4.0, 2.0, 4.0, 4.0]
+
+
 def test_engine_resume_from_state_dict():
     """k steps, state_dict, fresh optimizer, continue: equal to an unbroken run, bit for bit."""
     grads = _grads(6)
