@@ -6,12 +6,15 @@ for a CPU:
 
 * The tensors of a param group that share a parameter dtype and a step count are processed as one sequence of
   *chunks* of at most :data:`CHUNK` elements. A piece of a large tensor that fills a chunk is used in place (views of
-  the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk (a
-  ``torch.cat`` or ``torch._foreach_copy_`` per tensor kind in, a ``torch._foreach_copy_`` out). In a packed 8-bit
-  chunk every tensor starts at a block boundary and its padding is zero, as in ``reference._blocks``. A chunk's
-  scratch (about 50 bytes per element) stays in the CPU caches, so the ~55 elementwise passes of an 8-bit step read
-  cache, not memory, and a chunk is large enough that PyTorch's cost per operation (a few microseconds) is small
-  beside the work.
+  the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk
+  (parameters and gradients gathered by one ``torch.cat`` or ``torch._foreach_copy_`` each and the parameters
+  scattered back by one ``torch._foreach_copy_``). A packed chunk keeps the moments (and 8-bit scales) of its whole
+  tensors in buffers of its own, their state dict entries being views of them (as the step counters are views of one
+  buffer), so that state is read and written where it lies; only tails and DTensor shards are copied in and out. In
+  a packed 8-bit chunk every tensor starts at a block boundary and its padding is zero, as in ``reference._blocks``.
+  A chunk's scratch (about 50 bytes per element) stays in the CPU caches, so the ~55 elementwise passes of an 8-bit
+  step read cache, not memory, and a chunk is large enough that PyTorch's cost per operation (a few microseconds) is
+  small beside the work.
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
@@ -49,6 +52,7 @@ from __future__ import annotations
 import math
 import operator
 
+import numpy as np
 import torch
 
 from .. import _random as rnd
@@ -76,7 +80,7 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 class _Chunk:
     """One batch of elements. ``segs``: (slot, first element in the tensor, count, chunk offset, whole tensor)."""
 
-    __slots__ = ("segs", "length", "direct", "pads", "io")
+    __slots__ = ("segs", "length", "direct", "pads", "io", "flat")
 
     def __init__(self, segs, length, direct, pads):
         self.segs = segs
@@ -84,6 +88,7 @@ class _Chunk:
         self.direct = direct
         self.pads = pads  # (offset, count) of 8-bit padding in a packed chunk
         self.io = None  # persistent views (see _Layout._bind)
+        self.flat = None  # a packed chunk's own moment buffers (see _Layout._flatten)
 
 
 def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
@@ -131,11 +136,48 @@ class _Layout:
             tensors = [dt.local(p)] + [s[k] for k in _STATE_KEYS if k in s]
             (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
         self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(members[i])) for i in self.fast]
+        self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
         self.locals = [dt.local(members[i]) for i in self.fast]
         self.shapes = [p.shape for p in self.locals]
         self.chunks = _plan_chunks([p.numel() for p in self.locals], self.fmt == "8bit")
         for ch in self.chunks:
+            if not ch.direct:
+                ch.flat = self._flatten(ch)
             ch.io = self._bind(ch, scratch)
+
+    def _flatten(self, ch: _Chunk):
+        """A packed chunk's own moment buffers: both moments side by side (and for 8-bit both moments' block scales
+        side by side), zero where nothing lies (8-bit padding). The state of each whole tensor of the chunk (not a
+        DTensor) moves into them, its state dict entries becoming views (values kept; still plain tensors for
+        ``state_dict``), so the chunk reads and writes that state where it lies instead of gathering and scattering
+        it; tails of large tensors and DTensor shards are still copied in and out.
+
+        Returns ``(moments, scales or None, indices of the segments that live there)``.
+        """
+        n, fmt = ch.length, self.fmt
+        dev = self.locals[0].device
+        mdtype = {"fp32": torch.float32, "compact": torch.bfloat16, "8bit": torch.uint8}[fmt]
+        mom = torch.zeros(2 * n, dtype=mdtype, device=dev)
+        nb = n // _BLOCK
+        scl = torch.zeros(2 * nb, dtype=torch.bfloat16, device=dev) if fmt == "8bit" else None
+        moved = set()
+        for j, (slot, _, k, o, whole) in enumerate(ch.segs):
+            i = self.fast[slot]
+            if not whole or dt.is_dtensor(self.members[i]):
+                continue
+            state = self.local_states[i]  # the state dict itself
+            for key, at in zip(_STATE_KEYS[:2], (o, n + o)):
+                view = mom[at : at + k].view(state[key].shape)
+                view.copy_(state[key])
+                state[key] = view
+            if scl is not None:
+                kb = -(-k // _BLOCK)
+                for key, at in zip(_STATE_KEYS[2:], (o // _BLOCK, nb + o // _BLOCK)):
+                    view = scl[at : at + kb]
+                    view.copy_(state[key])
+                    state[key] = view
+            moved.add(j)
+        return mom, scl, moved
 
     def _bind(self, ch: _Chunk, scratch: Scratch) -> dict:
         """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
@@ -194,23 +236,27 @@ class _Layout:
         else:
             gather.append(("copy", io["p_in"], io["p_src"]))
             pads_in += [b.p[o : o + k] for o, k in ch.pads]
-        moments = [[piece(st[s[0]][key], s) for s in ch.segs] for key in _STATE_KEYS[:2]]
-        if fmt == "fp32":
-            bufs = (slices(b.m), slices(b.v))
-            gather += [("cat", b.m, cat_list(moments[0], None)), ("cat", b.v, cat_list(moments[1], None))]
-        elif fmt == "compact":
-            bufs = (slices(b.typed("m_store", torch.bfloat16)), slices(b.typed("v_store", torch.bfloat16)))
-            gather += [("copy", slices(b.m), moments[0]), ("copy", slices(b.v), moments[1])]
-        else:
-            # both moments' codes in one buffer (m then v), and both scales: one gather and one scatter each
-            bufs = (slices(b.m_codes), slices(b.v_codes))
-            scales = [[piece(st[s[0]][key], s, scale=True) for s in ch.segs] for key in _STATE_KEYS[2:]]
-            scale_bufs = (slices(b.m_scale, scale=True), slices(b.v_scale, scale=True))
-            gather.append(("cat", b.codes, cat_list(moments[0], torch.uint8) + cat_list(moments[1], torch.uint8)))
-            gather.append(("cat", b.scale16.view(torch.bfloat16), [t.reshape(-1) for t in scales[0] + scales[1]]))
-            io["scatter_scales"] = (scales[0] + scales[1], list(scale_bufs[0]) + list(scale_bufs[1]))
+        # moments: the chunk's own buffers (_flatten); copied in and out only for segments that do not live there
+        mom, scl, moved = ch.flat
+        rest = [seg for j, seg in enumerate(ch.segs) if j not in moved]
+        n, nb = ch.length, ch.length // _BLOCK
+        dst, src = [], []
+        for key, at in zip(_STATE_KEYS[:2], (0, n)):
+            for seg in rest:
+                slot, a, k, o, whole = seg
+                dst.append(mom[at + o : at + o + k])
+                src.append(piece(st[slot][key], seg).reshape(-1))
+        if fmt == "8bit":
+            for key, at in zip(_STATE_KEYS[2:], (0, nb)):
+                for seg in rest:
+                    slot, a, k, o, whole = seg
+                    dst.append(scl[at + o // _BLOCK : at + o // _BLOCK + -(-k // _BLOCK)])
+                    src.append(piece(st[slot][key], seg, scale=True))
             io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
-        io["scatter_moments"] = (moments[0] + moments[1], list(bufs[0]) + list(bufs[1]))
+        io["moments_in"], io["moments_out"] = (dst, src), (src, dst)
+        io["mom"], io["mom_m"], io["mom_v"] = mom, mom[:n], mom[n:]
+        if scl is not None:
+            io["scl"], io["scl_m"], io["scl_v"] = scl, scl[:nb], scl[nb:]
         io["gather"], io["pads_in"] = gather, pads_in
         return io
 
@@ -228,7 +274,6 @@ class _GroupPlan:
         self.step_views = list(self.steps.unbind())
         for s, view in zip(states, self.step_views):
             s["step"] = view
-        self.moments = [s.get("exp_avg") for s in states]
         by_kind: dict[tuple, list[int]] = {}
         for i, (p, t) in enumerate(zip(params, steps)):
             by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
@@ -236,6 +281,8 @@ class _GroupPlan:
             (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], scratch), idx)
             for idx in by_kind.values()
         ]
+        # after the layouts, which may move state (_flatten); a state tensor replaced since makes a new plan
+        self.moments = [s.get(key) for s in states for key in _STATE_KEYS]
 
 
 class TorchEngine:
@@ -282,7 +329,7 @@ class TorchEngine:
             and cached.seed == group["seed"]
             and len(step_tensors) == len(cached.step_views)
             and all(map(operator.is_, step_tensors, cached.step_views))
-            and all(map(operator.is_, (s.get("exp_avg") for s in states), cached.moments))
+            and all(map(operator.is_, (s.get(key) for s in states for key in _STATE_KEYS), cached.moments))
         ):
             # The same params step again, with the same state: their step counters are views of one buffer.
             cached.steps.add_(1.0)
@@ -339,14 +386,29 @@ class TorchEngine:
         k = (*k[:9].unbind(), k[9:].view(2, 1))  # the last: (beta1, beta2) as a column, for both moments at once
         mixed = rnd.mix32(t)
         stochastic_p = layout.dtype != torch.float32 and rounding == "stochastic"
-        keys_mv = (
-            [rnd.stream_key_from(tk, mixed, rnd.STREAM_MV) for tk in layout.tkeys] if layout.fmt != "fp32" else None
-        )
+        keys_mv = _stream_keys(layout.tkeys_np, mixed, rnd.STREAM_MV) if layout.fmt != "fp32" else None
         # bf16 parameters with 8-bit state are rounded with the moments' word (reference.param_stream)
         own_p = stochastic_p and ref.param_stream(layout.fmt, layout.dtype) == rnd.STREAM_P
-        keys_p = [rnd.stream_key_from(tk, mixed, rnd.STREAM_P) for tk in layout.tkeys] if own_p else None
+        keys_p = _stream_keys(layout.tkeys_np, mixed, rnd.STREAM_P) if own_p else None
         for ch in layout.chunks:
             _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+    """``_random.mix32`` of a uint64 array of values in [0, 2**32)."""
+    x = x ^ (x >> np.uint64(16))
+    x = (x * np.uint64(rnd.MIX1)) & np.uint64(rnd.MASK32)
+    x = x ^ (x >> np.uint64(13))
+    x = (x * np.uint64(rnd.MIX2)) & np.uint64(rnd.MASK32)
+    return x ^ (x >> np.uint64(16))
+
+
+def _stream_keys(tkeys: np.ndarray, mixed_step: int, stream: int) -> list[int]:
+    """``[_random.stream_key_from(tk, mixed_step, stream) for tk in tkeys]`` in a few array operations (products of
+    two 32-bit values fit in uint64)."""
+    x = _mix32_np(tkeys ^ np.uint64(mixed_step))
+    x = (x + np.uint64(stream * rnd.STREAM_MUL)) & np.uint64(rnd.MASK32)
+    return _mix32_np(x).tolist()
 
 
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
@@ -356,7 +418,8 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     n = ch.length
     b = sc.upto(n)
     G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
-    v_np = None
+    MV = b.mv  # m and v side by side (2n), or None
+    codes2 = scales2 = None  # both moments' 8-bit codes (scales) side by side, where they are
     # ---- gather ---------------------------------------------------------------------------------------------
     if ch.direct:
         slot, a, _, _, _ = ch.segs[0]
@@ -371,7 +434,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             P.copy_(io["p"])
         m_state, v_state = io["exp_avg"], io["exp_avg_sq"]
         if fmt == "fp32":
-            M, V = m_state, v_state
+            M, V, MV = m_state, v_state, None
         elif fmt == "compact":
             M.copy_(m_state)
             V.copy_(v_state)
@@ -387,19 +450,25 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
                 torch._foreach_copy_(dst, src)
         if io["pads_in"]:
             torch._foreach_zero_(io["pads_in"])
-        if fmt == "8bit":
-            m_state, v_state, m_scale, v_scale = b.m_codes, b.v_codes, b.m_scale, b.v_scale
+        if io["moments_in"][0]:
+            torch._foreach_copy_(*io["moments_in"])
+        m_state, v_state = io["mom_m"], io["mom_v"]
+        if fmt == "fp32":
+            M, V, MV = m_state, v_state, io["mom"]
+        elif fmt == "compact":
+            b.mv.copy_(io["mom"])
+        else:
+            m_scale, v_scale, codes2, scales2 = io["scl_m"], io["scl_v"], io["mom"], io["scl"]
     if fmt == "8bit":
-        decode_8bit(b, c, m_state, v_state, m_scale, v_scale)  # into b.m and b.v
-    if b.cpu and V is b.v:
-        v_np = b.np["v"]
+        decode_8bit(b, c, m_state, v_state, m_scale, v_scale, scales2)  # into b.m and b.v
+    v_np = b.np["v"] if b.cpu and V is b.v else None
     # ---- the update, in the reference's operation order -------------------------------------------------------
     g_coef = neg_one_minus_beta1 if maximize else one_minus_beta1
-    if M is b.m and V is b.v:  # adjacent: m * beta1 and v * beta2 in one operation, and the two sums in one
-        b.mv2.mul_(betas)
+    if MV is not None:  # m * beta1 and v * beta2 in one operation, and the two sums in one
+        MV.view(2, n).mul_(betas)
         torch.mul(G, g_coef, out=b.u_m)
         torch.mul(G, G, out=b.u_v).mul_(one_minus_beta2)
-        b.mv.add_(b.u)
+        MV.add_(b.u)
     else:
         M.mul_(beta1).add_(torch.mul(G, g_coef, out=A))
         torch.mul(G, G, out=A).mul_(one_minus_beta2)
@@ -431,23 +500,17 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         _round_param(P, dtype, b, c, p_out)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
-    if fmt == "fp32":
-        if not ch.direct:
-            torch._foreach_copy_(*io["scatter_moments"])
-        return
     if fmt == "compact":
-        m_out = m_state if ch.direct else b.typed("m_store", torch.bfloat16)
-        v_out = v_state if ch.direct else b.typed("v_store", torch.bfloat16)
         if moments_nan:
             bits = full_bits(b)
-            m_out.copy_(ref.round_to_bf16_stochastic(M, bits))
-            v_out.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
+            m_state.copy_(ref.round_to_bf16_stochastic(M, bits))
+            v_state.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
         else:
-            bf16_stochastic(M, b.t, b.t, c, m_out)
-            bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, c, v_out)
-    else:
+            bf16_stochastic(M, b.t, b.t, c, m_state)
+            bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, c, v_state)
+    elif fmt == "8bit":
         sign_and_abs(b, c)
-        path = scales_8bit(b, c, m_scale, v_scale)
+        path = scales_8bit(b, c, m_scale, v_scale, scales2)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
             bits = full_bits(b)
             m = torch.where(b.a > 0, -M, M)
@@ -457,11 +520,9 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
                 codes.copy_(qc)
                 scale.copy_(qs)
         else:
-            encode_8bit(b, c, m_state, v_state, path == "exact")
-        if not ch.direct:
-            torch._foreach_copy_(*io["scatter_scales"])
-    if not ch.direct:
-        torch._foreach_copy_(*io["scatter_moments"])
+            encode_8bit(b, c, m_state, v_state, path == "exact", codes2)
+    if not ch.direct and io["moments_out"][0]:
+        torch._foreach_copy_(*io["moments_out"])
 
 
 def _round_param(P, dtype, b, c, p_out) -> None:

@@ -83,10 +83,9 @@ class Consts:
 class Buffers:
     """Views of the scratch for a chunk of ``n`` elements (cached per ``n``), NumPy views where a root is taken.
 
-    ``m`` and ``v`` are adjacent (``mv``, shape (2, n) as ``mv2``), and so are every 8-bit buffer of the two moments
-    (codes, block maxima, scales, random offsets): their 8-bit work is one operation over both, with a column of
-    per-moment constants where they differ, and a packed chunk gathers and scatters both moments' codes (and scales)
-    in one operation.
+    ``m`` and ``v`` are adjacent (``mv``, shape (2, n) as ``mv2``), and so is every 8-bit buffer of the two moments
+    (block maxima, scales, random offsets): their 8-bit work is one operation over both, with a column of per-moment
+    constants where they differ.
     """
 
     F32 = ("g", "a", "p")
@@ -120,8 +119,6 @@ class Buffers:
         self.x16 = scratch.x16[: 2 * n]
         self.x16_2, self.x16_f16 = self.x16.view(2, n), self.x16.view(torch.float16)
         self.x16_m, self.x16_v = self.x16[:n], self.x16[n:]
-        self.codes = scratch.codes[: 2 * n]
-        self.m_codes, self.v_codes = self.codes[:n], self.codes[n:]
         self.nz = scratch.nz[:n]
         # per block (m rows, then v rows): absmax, scale (fp32 bits, bf16 bits), 1 / scale, factor, decoded scale
         self.amax = scratch.amax[: 2 * nb]
@@ -174,7 +171,7 @@ class Scratch:
         for name in Buffers.I32:
             setattr(self, name, e(size, torch.int32))
         self.mv, self.u, self.r = e(2 * size, torch.float32), e(2 * size, torch.float32), e(2 * size, torch.int32)
-        self.x16, self.codes, self.nz = e(2 * size, torch.int16), e(2 * size, torch.uint8), e(size, torch.uint8)
+        self.x16, self.nz = e(2 * size, torch.int16), e(size, torch.uint8)
         nb = -(-size // _BLOCK)
         self.amax, self.s_i, self.scale16 = e(2 * nb, torch.float32), e(2 * nb, torch.int32), e(2 * nb, torch.int16)
         self.inv, self.fac, self.sdec = e(2 * nb, torch.float32), e(2 * nb, torch.float32), e(2 * nb, torch.float32)
@@ -278,17 +275,17 @@ def bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: Con
 # ---- 8-bit state ------------------------------------------------------------------------------------------------
 
 
-def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale) -> None:
+def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scales2=None) -> None:
     """``reference.dequantize_m`` and ``dequantize_v`` into ``b.m`` and ``b.v`` (whole blocks).
 
     A code is a half-precision number in disguise: fp16 has the codes' exponent bias 15, and its subnormals are
     ``f * 2**-24``, so ``code << (10 - mant)`` (with the sign of ``m`` moved from bit 7 to bit 15) is the fp16 with
     the code's value, subnormal codes included, and fp16 -> fp32 is exact. Then ``(+-a) * scale``, as the reference.
-    The codes and scales of a packed chunk are ``b.codes`` and ``b.scales`` already (both moments).
+    ``scales2``: both moments' scales side by side, when they are (a packed chunk).
     """
     nb = b.blocks
-    if m_scale is b.m_scale:
-        b.sdec.copy_(b.scales)
+    if scales2 is not None:
+        b.sdec.copy_(scales2)
     else:
         b.sdec_mv[0].copy_(m_scale)
         b.sdec_mv[1].copy_(v_scale)
@@ -300,9 +297,10 @@ def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale) -> No
     b.mv_b.mul_(b.sdec_col)
 
 
-def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out) -> str:
+def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None) -> str:
     """Block scales of both moments (from ``b.m = |m|`` and ``b.v``) into the bf16 tensors ``m_scale_out`` and
-    ``v_scale_out``, ``1 / scale`` into ``b.inv`` and the normalizing factors into ``b.fac``.
+    ``v_scale_out`` (or ``scales2``, both side by side), ``1 / scale`` into ``b.inv`` and the normalizing factors into
+    ``b.fac``.
 
     Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
     ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
@@ -314,8 +312,10 @@ def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out) -> str:
         return "ref"
     # round up to bf16 on the bits (finite, non-negative): the fp32 bits of the scale, then its bf16 bits
     torch.add(b.amax_i, c.bf16_up, out=b.s_i).bitwise_and_(c.high16)
-    torch.bitwise_right_shift(b.s_i, c.s16, out=b.scale16)
-    if m_scale_out is not b.m_scale:
+    if scales2 is not None:
+        torch.bitwise_right_shift(b.s_i, c.s16, out=scales2.view(torch.int16))
+    else:
+        torch.bitwise_right_shift(b.s_i, c.s16, out=b.scale16)
         m_scale_out.copy_(b.m_scale)
         v_scale_out.copy_(b.v_scale)
     torch.reciprocal(b.s_f, out=b.inv)
@@ -327,13 +327,14 @@ def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out) -> str:
     return "fast" if fast else "exact"
 
 
-def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool) -> None:
+def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool, codes2=None) -> None:
     """``reference.quantize_m`` and ``quantize_v`` codes of ``b.m`` and ``b.v`` (with ``b.m`` holding ``|m|``, and
     the sign of m in ``b.a``: 1.0 where ``m < 0``) into the uint8 tensors ``m_codes_out`` and ``v_codes_out``, with
     the factors of :func:`scales_8bit` and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``,
     ``b.u``, ``b.r``, ``b.t``.
 
-    ``exact``: the reference's clamp and NaN step first (any finite scale).
+    ``exact``: the reference's clamp and NaN step first (any finite scale). ``codes2``: both moments' codes side by
+    side, when they are (a packed chunk).
     """
     some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
     if some_zero:
@@ -352,8 +353,8 @@ def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool) ->
     b.r.add_(b.mv_i)
     b.rm.add_(b.a_i, alpha=16)
     b.r2.bitwise_right_shift_(c.shift_col)
-    if m_codes_out is b.m_codes:
-        b.codes.copy_(b.r)
+    if codes2 is not None:
+        codes2.copy_(b.r)
     else:
         m_codes_out.copy_(b.rm)
         v_codes_out.copy_(b.rv)

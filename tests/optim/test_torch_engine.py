@@ -256,6 +256,25 @@ def test_load_state_dict_replaces_the_cached_plan(small_chunks):
     assert_same(opt_a, pa, opt_b, pb)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_edits_between_steps_are_honored(small_chunks, fmt):
+    """Packed tensors keep their moments in their chunk's own buffers (the state entries are views of them): state
+    written in place between steps, or replaced by new tensors, is what the next step reads."""
+    values, grads = _random([(300,), (17, 33), (5000,), (9,)], steps=4, seed=13)
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt, lr=1e-2, seed=2)
+    _run(opt_a, pa, opt_b, pb, grads[:2])
+    storages = {opt_a.state[p]["exp_avg"].untyped_storage().data_ptr() for p in (pa[0], pa[1], pa[3])}
+    assert len(storages) == 1  # the small tensors' moments live in one chunk buffer
+    for opt, ps in ((opt_a, pa), (opt_b, pb)):
+        opt.state[ps[0]]["exp_avg_sq"].zero_()  # in place
+        opt.state[ps[3]]["exp_avg_sq"] = opt.state[ps[3]]["exp_avg_sq"].flip(0).clone()  # replaced, v only
+    _run(opt_a, pa, opt_b, pb, grads[2:3])
+    for opt, ps in ((opt_a, pa), (opt_b, pb)):
+        opt.state[ps[1]]["exp_avg"] = opt.state[ps[1]]["exp_avg"].flip(0).clone()  # replaced, m only
+    _run(opt_a, pa, opt_b, pb, grads[3:])
+    assert_same(opt_a, pa, opt_b, pb)
+
+
 def test_auto_engine_on_cpu_uses_it():
     p = torch.nn.Parameter(torch.randn(10))
     opt = ApexW([p])
