@@ -88,8 +88,6 @@ BLOCK = 256
 STATE_FORMATS = ("fp32", "compact", "8bit")
 PARAM_ROUNDINGS = ("stochastic", "nearest")
 
-TWO_POW_M16 = 2.0**-16
-
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
 INV127 = torch.tensor(1.0 / 127.0, dtype=torch.float32).item()
 INV255 = torch.tensor(1.0 / 255.0, dtype=torch.float32).item()
@@ -172,11 +170,6 @@ def hash_uniform_bits(numel: int, key: int, device) -> torch.Tensor:
     """32 random bits per element (int64 tensor in [0, 2**32)): ``mix32(index * GOLDEN + key)``."""
     idx = torch.arange(numel, device=device, dtype=torch.int64) & MASK32
     return _mix32_t((_mul32(idx, GOLDEN) + key) & MASK32)
-
-
-def _uniform16(half: torch.Tensor) -> torch.Tensor:
-    """Uniform fp32 in [0, 1) from 16 random bits (values in [0, 2**16)), exact in fp32."""
-    return half.to(torch.float32) * TWO_POW_M16
 
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
@@ -336,8 +329,9 @@ def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch
     """
     n = m.numel()
     mb = _blocks(m)
-    scale, inv = _scale(mb.abs())
-    y = _normalized(mb.abs(), inv)
+    a = mb.abs()
+    scale, inv = _scale(a)
+    y = _normalized(a, inv)
     r = _rand_offset(_blocks(bits), M_RAND_SHIFT, M_RAND_BITS, 23 - M_MANT)
     c = minifloat_code(y, r, M_MANT) | torch.where(mb < 0, M_SIGN, 0)
     return c.reshape(-1)[:n].to(torch.uint8).view(m.shape), scale

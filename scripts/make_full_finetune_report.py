@@ -245,7 +245,8 @@ def readme_table() -> str:
         gval = "-"
         if spec in h200_best:
             lr = h200_best[spec]["lr"]
-            gval = _ms([x["validation_loss"] for x in h200_runs if x["optimizer"] == spec and x["learning_rate"] == lr])
+            at = [x["validation_loss"] for x in h200_runs if x["optimizer"] == spec and x["learning_rate"] == lr]
+            gval = _ms(at)
             gval += f" (lr {lr:g})"
         name, dtype = spec.split("@")
         lines.append(
@@ -271,7 +272,9 @@ def main() -> int:
     sections = {
         ROOT / "docs" / "full_finetune.md": {
             "ff-h200-speed": speed_table(),
-            "ff-h200-quality": quality_table(quality_gpu[0] if quality_gpu else None, BASE_GPU, False, quality_gpu[1:]),
+            "ff-h200-quality": quality_table(
+                quality_gpu[0] if quality_gpu else None, BASE_GPU, False, quality_gpu[1:]
+            ),
             "ff-cpu-quality": quality_table(RESULTS / "offline_full", BASE_CPU, True),
             "ff-cpu-quality-extra": quality_table(
                 RESULTS / "offline_full", BASE_CPU, False, sorted((RESULTS / "offline_full_extra").glob("*"))

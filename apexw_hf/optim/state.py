@@ -30,6 +30,7 @@ from .. import reference as ref
 from . import dtensor as dt
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and those of format version 1 (read only)
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 
 
@@ -75,7 +76,7 @@ def state_format_of(state: dict) -> str | None:
 
 def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
     """Raise ``ValueError`` unless the moments to convert fit ``p`` (8-bit: exactly its layout)."""
-    if src in ("8bit", "8bit_v1"):
+    if src in EIGHT_BIT:
         check_state(state, p, src)
         if dt.is_dtensor(p):
             dt.check_block_shards(state, p)
@@ -100,7 +101,7 @@ def _layout(p: torch.Tensor, fmt: str) -> dict:
         "8bit_v1": (torch.int8, torch.uint8),
     }
     out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in dtypes[fmt])))
-    if fmt in ("8bit", "8bit_v1"):
+    if fmt in EIGHT_BIT:
         nb = dt.max_local_blocks(p) * dt.shard_count(p) if dt.is_dtensor(p) else ref.num_blocks(p.numel())
         out.update({k: (torch.bfloat16, torch.Size([nb])) for k in SCALE_KEYS})
     return out

@@ -493,9 +493,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             p_out = None
     # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
-        hash_into(
-            b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=fmt == "compact" or p_out is not None
-        )
+        hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=fmt == "compact" or p_out is not None)
     if p_out is not None and stochastic_p:  # bf16 with 8-bit state: the top 16 bits of the moments' word
         _round_param(P, dtype, b, c, p_out)
     if not ch.direct:

@@ -283,7 +283,6 @@ def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scale
     the code's value, subnormal codes included, and fp16 -> fp32 is exact. Then ``(+-a) * scale``, as the reference.
     ``scales2``: both moments' scales side by side, when they are (a packed chunk).
     """
-    nb = b.blocks
     if scales2 is not None:
         b.sdec.copy_(scales2)
     else:
@@ -305,7 +304,6 @@ def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None) -
     Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
     ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
     """
-    nb = b.blocks
     torch.amax(b.mv_b, 1, out=b.amax)
     hi = float(b.amax.max())  # NaN propagates
     if not math.isfinite(hi):

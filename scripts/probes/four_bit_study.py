@@ -22,18 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from state_noise_study import RefAdamW8bit, minifloat_table, table_code  # noqa: E402
+
 from apexw_hf import reference as ref  # noqa: E402
-from state_noise_study import RefAdamW8bit  # noqa: E402
-
-
-def minifloat_levels(e_bits: int, m_bits: int) -> torch.Tensor:
-    """Non-negative values <= 1 of a minifloat whose top exponent holds 1.0 (with subnormals and zero)."""
-    bias = 2**e_bits - 1
-    vals = {0.0}
-    vals.update(2.0 ** (1 - bias) * f / 2**m_bits for f in range(1, 2**m_bits))
-    for e in range(1, 2**e_bits):
-        vals.update(x for f in range(2**m_bits) if (x := 2.0 ** (e - bias) * (1 + f / 2**m_bits)) <= 1.0)
-    return torch.tensor(sorted(vals), dtype=torch.float32)
 
 
 def codec(levels: torch.Tensor, block: int, signed: bool, nonzero: bool):
@@ -43,13 +34,8 @@ def codec(levels: torch.Tensor, block: int, signed: bool, nonzero: bool):
 
     def quant(x, bits):
         xb = blocks(x)
-        scale = ref.bf16_round_up(xb.abs().amax(1))
-        s32 = scale.float()
-        inv = torch.where(s32 == 0, torch.zeros_like(s32), 1.0 / s32)
-        y = torch.clamp(xb.abs() * inv[:, None], max=1.0).nan_to_num(0.0)
-        lo = (torch.searchsorted(levels, y.contiguous(), right=True) - 1).clamp(0, levels.numel() - 2)
-        u = ref._uniform16(blocks(bits) & 0xFFFF)
-        idx = lo + ((u * (levels[lo + 1] - levels[lo])) < (y - levels[lo])).long()
+        scale, inv = ref._scale(xb.abs())  # the 8-bit format's scale and normalization, on blocks of ``block``
+        idx = table_code(ref._normalized(xb.abs(), inv), levels, blocks(bits) & 0xFFFF)
         if nonzero:
             idx = torch.where((xb > 0) & (idx == 0), torch.ones_like(idx), idx)
         if signed:
@@ -80,10 +66,10 @@ class RefAdamW4(RefAdamW8bit):
 
 
 def candidates(block: int) -> dict:
-    m_e3m0 = minifloat_levels(3, 0)  # 0, 2**-6 .. 1
-    m_e2m1 = minifloat_levels(2, 1)  # 0, 1/8, 1/4, 3/8, 1/2, 3/4, 1
-    v_e4m0 = minifloat_levels(4, 0)  # 0, 2**-14 .. 1 (16 codes)
-    v_e3m1 = minifloat_levels(3, 1)  # 0, 2**-7, 2**-6 .. 1 in steps of 1.5x / 1.33x (15 codes)
+    m_e3m0 = minifloat_table(3, 0)  # 0, 2**-6 .. 1
+    m_e2m1 = minifloat_table(2, 1)  # 0, 1/8, 1/4, 3/8, 1/2, 3/4, 1
+    v_e4m0 = minifloat_table(4, 0)  # 0, 2**-14 .. 1 (16 codes)
+    v_e3m1 = minifloat_table(3, 1)  # 0, 2**-7, 2**-6 .. 1 in steps of 1.5x / 1.33x (15 codes)
     v_lin = torch.cat([torch.zeros(1), torch.arange(1, 16, dtype=torch.float32) / 15])  # zero only for zero
     out = {}
     for mname, mlev in (("m s+e3m0", m_e3m0), ("m s+e2m1", m_e2m1)):
@@ -112,8 +98,11 @@ def main() -> None:
             losses = [fn(s, lambda ps, s=s, make=make: make(ps, s), steps=steps) for s in seeds]
             base = base or losses
             d = [a - b for a, b in zip(losses, base)]
-            print(f"{task:20s} {name:36s} final loss {statistics.fmean(losses):.4f} +- {statistics.stdev(losses):.4f}"
-                  f"  paired diff vs torch {statistics.fmean(d):+.4f} +- {statistics.stdev(d):.4f}", flush=True)
+            print(
+                f"{task:20s} {name:36s} final loss {statistics.fmean(losses):.4f} +- {statistics.stdev(losses):.4f}"
+                f"  paired diff vs torch {statistics.fmean(d):+.4f} +- {statistics.stdev(d):.4f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -40,15 +40,19 @@ def minifloat_table(e_bits: int, m_bits: int) -> torch.Tensor:
     return torch.tensor(sorted(vals), dtype=torch.float32)
 
 
+def table_code(y: torch.Tensor, table: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
+    """Index into the increasing ``table`` for ``y`` in [0, 1]: the largest entry at most ``y`` or the next one,
+    chosen with the 16 random bits ``u16`` so that the decoded value is ``y`` on average (version 1's rule)."""
+    lo = (torch.searchsorted(table, y.contiguous(), right=True) - 1).clamp(0, table.numel() - 2)
+    qlo, qhi = table[lo], table[lo + 1]
+    return lo + ((u16.to(torch.float32) * 2.0**-16 * (qhi - qlo)) < (y - qlo)).long()
+
+
 def table_codec(table: torch.Tensor):
     def quant(v, bits):
         vb = ref._blocks(v)
         scale, inv = ref._scale(vb)
-        y = ref._normalized(vb, inv)
-        lo = (torch.searchsorted(table, y.contiguous(), right=True) - 1).clamp(0, table.numel() - 2)
-        qlo, qhi = table[lo], table[lo + 1]
-        u = ref._uniform16(ref._blocks(bits) & 0xFFFF)
-        idx = lo + ((u * (qhi - qlo)) < (y - qlo)).long()
+        idx = table_code(ref._normalized(vb, inv), table, ref._blocks(bits) & 0xFFFF)
         return torch.where((vb > 0) & (idx == 0), torch.ones_like(idx), idx), scale
 
     def dequant(idx, scale):
@@ -185,16 +189,10 @@ _V1_M_TABLE = ref._q2(torch.arange(128, dtype=torch.float32))
 _V1_V_TABLE = ref._q4(torch.arange(256, dtype=torch.float32))
 
 
-def _v1_code(y, table, u16):
-    lo = (torch.searchsorted(table, y.contiguous(), right=True) - 1).clamp(0, table.numel() - 2)
-    qlo, qhi = table[lo], table[lo + 1]
-    return lo + ((ref._uniform16(u16) * (qhi - qlo)) < (y - qlo)).long()
-
-
 def v1_quantize_m(m, bits):
     mb = ref._blocks(m)
     scale, inv = ref._scale(mb.abs())
-    c = _v1_code(ref._normalized(mb.abs(), inv), _V1_M_TABLE, ref._blocks(bits) >> 16)
+    c = table_code(ref._normalized(mb.abs(), inv), _V1_M_TABLE, ref._blocks(bits) >> 16)
     c = torch.where(mb < 0, -c, c)
     return c.reshape(-1)[: m.numel()].to(torch.int8).view(m.shape), scale
 
@@ -202,7 +200,7 @@ def v1_quantize_m(m, bits):
 def v1_quantize_v(v, bits):
     vb = ref._blocks(v)
     scale, inv = ref._scale(vb)
-    c = _v1_code(ref._normalized(vb, inv), _V1_V_TABLE, ref._blocks(bits) & 0xFFFF)
+    c = table_code(ref._normalized(vb, inv), _V1_V_TABLE, ref._blocks(bits) & 0xFFFF)
     c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
     return c.reshape(-1)[: v.numel()].to(torch.uint8).view(v.shape), scale
 

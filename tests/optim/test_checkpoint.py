@@ -190,13 +190,16 @@ def test_8bit_format_v1_checkpoint_is_converted_on_load():
         v1_sq = ref.dequantize_v_v1(old["exp_avg_sq"], old["exp_avg_sq_scale"])
         got = opt.dequantized_state(p)
         for new, want in ((got["exp_avg"], m1), (got["exp_avg_sq"], v1_sq)):
-            step = torch.maximum(want.abs() / 8, ref._blocks(want.abs()).amax(1).repeat_interleave(256)[: want.numel()]
-                                 .view(want.shape) * 2.0**-15)
+            step = torch.maximum(
+                want.abs() / 8,
+                ref._blocks(want.abs()).amax(1).repeat_interleave(256)[: want.numel()].view(want.shape) * 2.0**-15,
+            )
             assert ((new - want).abs() <= step).all()
     again = ApexW8bit([torch.nn.Parameter(t.clone()) for t in saved["params"]])
     again.load_state_dict(torch.load(V1_CHECKPOINT, weights_only=True)["optimizer"])
     for p, q in zip(params, again.param_groups[0]["params"]):
-        assert all(torch.equal(opt.state[p][k], again.state[q][k]) for k in opt.state[p]), "conversion must be deterministic"
+        same = all(torch.equal(opt.state[p][k], again.state[q][k]) for k in opt.state[p])
+        assert same, "conversion must be deterministic"
     # the converted state saves as the current format and training continues
     sd = _roundtrip(opt.state_dict())
     assert {v["exp_avg"].dtype for v in sd["state"].values()} == {torch.uint8}

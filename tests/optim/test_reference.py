@@ -103,7 +103,8 @@ def test_minifloat_codes_round_trip_and_order():
         assert vals[1] == 2.0 ** (-14 - mant) and vals[2**mant] == 2.0**-14  # subnormal step, smallest normal
         for word in (0, 0xFFFFFFFF, 0x12345678):  # exact code values never move, whatever the random bits
             w = torch.full(codes.shape, word, dtype=torch.int64)
-            shift, nbits = (ref.M_RAND_SHIFT, ref.M_RAND_BITS) if mant == ref.M_MANT else (ref.V_RAND_SHIFT, ref.V_RAND_BITS)
+            m = mant == ref.M_MANT
+            shift, nbits = (ref.M_RAND_SHIFT, ref.M_RAND_BITS) if m else (ref.V_RAND_SHIFT, ref.V_RAND_BITS)
             got = ref.minifloat_code(vals[: top + 1], ref._rand_offset(w[: top + 1], shift, nbits, 23 - mant), mant)
             assert torch.equal(got, codes[: top + 1])
 
