@@ -33,16 +33,26 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   turn the next update into ``m / eps``). Decoding builds the fp32 bits of the code value and multiplies by the
   scale. Format version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``, chosen by a table search) is read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
+* ``4bit``: blocks of :data:`BLOCK4` elements, one bf16 scale per block and moment (as ``8bit``), and one byte per
+  element holding both moments' 4-bit codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), about 1.03 bytes per
+  parameter. ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is ``2**(c - 7)``, so
+  2**-6 .. 1, and code 0 is zero), ``v`` is e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for
+  zero): the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer
+  work and the same random bits, so zero stays zero, a nonzero ``v`` never decodes to zero, and both round unbiased.
+  With one code per binade, ``v`` keeps ``beta2 = 0.999``'s decay as the probability of stepping down a binade.
+  The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
+  and lets a kernel read and write both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers
+  with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
 
 Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
 ``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. In ``8bit``, bits 0-9 round ``v`` (10 bits:
 with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
 ``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
-hashes one word per element instead of two.
+hashes one word per element instead of two. ``4bit`` uses the word's bits exactly as ``8bit`` does.
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
-(the moments' word, above).
+and ``4bit`` state (the moments' word, above).
 """
 
 from __future__ import annotations
@@ -78,14 +88,18 @@ __all__ = [
     "minifloat_value",
     "dequantize_m_v1",
     "dequantize_v_v1",
+    "BLOCK4",
+    "quantize_mv4",
+    "dequantize_mv4",
     "param_stream",
     "load_moments",
     "store_moments",
     "adamw_step_ref_",
 ]
 
-BLOCK = 256
-STATE_FORMATS = ("fp32", "compact", "8bit")
+BLOCK = 256  # elements per 8-bit scale
+BLOCK4 = 128  # elements per 4-bit scale
+STATE_FORMATS = ("fp32", "compact", "8bit", "4bit")
 PARAM_ROUNDINGS = ("stochastic", "nearest")
 
 # fp32 constants shared with the kernels; written as float32-exact Python floats.
@@ -250,17 +264,17 @@ def bf16_round_up(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def num_blocks(numel: int) -> int:
-    return (numel + BLOCK - 1) // BLOCK
+def num_blocks(numel: int, block: int = BLOCK) -> int:
+    return (numel + block - 1) // block
 
 
-def _blocks(x: torch.Tensor) -> torch.Tensor:
-    """Flattened fp32 values padded with zeros to whole blocks: shape (num_blocks, BLOCK)."""
+def _blocks(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Flattened values padded with zeros to whole blocks: shape (num_blocks, block)."""
     flat = x.reshape(-1)
-    pad = num_blocks(flat.numel()) * BLOCK - flat.numel()
+    pad = num_blocks(flat.numel(), block) * block - flat.numel()
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, BLOCK)
+    return flat.view(-1, block)
 
 
 def _scale(x_abs_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,8 +296,13 @@ def _normalized(x_abs_blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
 M_MANT, V_MANT = 3, 4  # mantissa bits of the m (sign + e4m3) and v (e4m4) codes
 M_SIGN = 128  # the sign bit of an m code
 M_CODE_MAX, V_CODE_MAX = 120, 240  # the codes of 1.0
+BIAS = 15  # exponent bias of the 8-bit codes and of the 4-bit v code
 MIN_NORMAL = 2.0**-14
 _EXP_OFFSET = 127 - 15  # fp32 exponent field of code exponent 0
+# 4-bit: m sign + e3m0 (bias 7), v e4m0 (bias 15); one byte per element, m in bits 0-3, v in bits 4-7
+M4_BIAS = 7
+M4_SIGN = 8  # the sign bit of a 4-bit m code
+M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
 M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
 V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
 
@@ -296,29 +315,33 @@ def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch
     return (r << (drop - nbits)) | (1 << (drop - nbits - 1))
 
 
-def minifloat_code(y: torch.Tensor, rand_offset: torch.Tensor, mant: int) -> torch.Tensor:
+def minifloat_code(y: torch.Tensor, rand_offset: torch.Tensor, mant: int, bias: int = BIAS) -> torch.Tensor:
     """Stochastically rounded unsigned minifloat code (int64) of ``y`` in [0, 1] (fp32, no NaN); ``mant`` mantissa
-    bits, ``rand_offset`` from :func:`_rand_offset` with ``drop = 23 - mant``.
+    bits, exponent bias ``bias`` (1.0 is the code of exponent ``bias``), ``rand_offset`` from :func:`_rand_offset`
+    with ``drop = 23 - mant``.
 
-    Normal values (``y >= 2**-14``) are coded on their own fp32 bits: add the offset, cut the low ``23 - mant`` bits
-    (a carry steps into the next binade), subtract the exponent offset. A subnormal ``y`` is first moved to
-    ``y + 2**-14`` (an exact fp32 addition up to its bits below 2**-37) and its exponent lowered by one, which puts
-    its multiple of ``2**(-14 - mant)`` in the kept mantissa bits.
+    Normal values (``y >= 2**(1 - bias)``, 2**-14 for bias 15) are coded on their own fp32 bits: add the offset, cut
+    the low ``23 - mant`` bits (a carry steps into the next binade), subtract the exponent offset. A subnormal ``y``
+    is first moved to ``y + 2**(1 - bias)`` (an exact fp32 addition up to its bits below 2**(-22 - bias)) and its
+    exponent lowered by one, which puts its multiple of ``2**(1 - bias - mant)`` in the kept mantissa bits (with no
+    mantissa bits, the subnormal range is zero alone and ``y`` rounds to 0 or ``2**(1 - bias)``).
     """
     drop = 23 - mant
+    min_normal = 2.0 ** (1 - bias)
     x = y.view(torch.int32).to(torch.int64)
-    sub = (y + MIN_NORMAL).view(torch.int32).to(torch.int64) - (1 << 23)
-    x = torch.where(y >= MIN_NORMAL, x, sub)
-    return ((x + rand_offset) >> drop) - (_EXP_OFFSET << mant)
+    sub = (y + min_normal).view(torch.int32).to(torch.int64) - (1 << 23)
+    x = torch.where(y >= min_normal, x, sub)
+    return ((x + rand_offset) >> drop) - ((127 - bias) << mant)
 
 
-def minifloat_value(code: torch.Tensor, mant: int) -> torch.Tensor:
-    """fp32 value of unsigned minifloat codes (integer tensor, any code in [0, 2**(4 + mant)))."""
+def minifloat_value(code: torch.Tensor, mant: int, bias: int = BIAS) -> torch.Tensor:
+    """fp32 value of unsigned minifloat codes (integer tensor, any code up to the one of 1.0)."""
     drop = 23 - mant
+    offset = 127 - bias
     c = code.to(torch.int64)
-    normal = ((c + (_EXP_OFFSET << mant)) << drop).to(torch.int32).view(torch.float32)
-    # a subnormal code c is (2**-14 + c * 2**(-14 - mant)) - 2**-14, both steps exact
-    sub = (((c + ((_EXP_OFFSET + 1) << mant)) << drop).to(torch.int32).view(torch.float32)) - MIN_NORMAL
+    normal = ((c + (offset << mant)) << drop).to(torch.int32).view(torch.float32)
+    # a subnormal code c is (2**(1 - bias) + c * 2**(1 - bias - mant)) - 2**(1 - bias), both steps exact
+    sub = (((c + ((offset + 1) << mant)) << drop).to(torch.int32).view(torch.float32)) - 2.0 ** (1 - bias)
     return torch.where(c >= (1 << mant), normal, sub)
 
 
@@ -365,6 +388,40 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return v.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
+def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
+    """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
+    e4m0 code of ``v``; bf16 ``m`` scales; bf16 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``.
+
+    ``bits``: the 32-bit random word per element; bits 10-15 round ``m`` and bits 0-9 round ``v``, as in ``8bit``.
+    """
+    n = m.numel()
+    rb = _blocks(bits, BLOCK4)
+    mb = _blocks(m, BLOCK4)
+    a = mb.abs()
+    sm, inv = _scale(a)
+    y = _normalized(a, inv)
+    cm = minifloat_code(y, _rand_offset(rb, M_RAND_SHIFT, M_RAND_BITS, 23), 0, M4_BIAS)
+    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
+    vb = _blocks(v, BLOCK4)
+    sv, inv = _scale(vb)
+    y = _normalized(vb, inv)
+    cv = minifloat_code(y, _rand_offset(rb, V_RAND_SHIFT, V_RAND_BITS, 23), 0, BIAS)
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)
+    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
+    return mv, sm, sv
+
+
+def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
+    """fp32 (m, v) of 4-bit codes ``mv`` (uint8, both moments per byte) and their bf16 block scales."""
+    c = _blocks(mv.to(torch.int64), BLOCK4)
+    cm = c & 15
+    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
+    m = torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]
+    v = minifloat_value(c >> 4, 0, BIAS) * v_scale.float()[:, None]
+    n = mv.numel()
+    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+
+
 # Format version 1 (read only, to convert checkpoints written before version 2): int8 m codes c in [-127, 127]
 # decoding to sign(c) * (|c|/127)**2 * scale, uint8 v codes to (c/255)**4 * scale.
 def _q2(c: torch.Tensor) -> torch.Tensor:
@@ -407,6 +464,9 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
         v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
+    if fmt == "4bit":
+        m, v = dequantize_mv4(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
+        return m.view(shape), v.view(shape)
     if fmt == "8bit_v1":
         m = dequantize_m_v1(state["exp_avg"], state["exp_avg_scale"])
         v = dequantize_v_v1(state["exp_avg_sq"], state["exp_avg_sq_scale"])
@@ -429,6 +489,12 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
         state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits))
         state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, (bits & 0xFFFF) << 16))
         return
+    if fmt == "4bit":
+        mv, sm, sv = quantize_mv4(m, v, bits)
+        state["exp_avg_mv"].copy_(mv)
+        state["exp_avg_scale"].copy_(sm)
+        state["exp_avg_sq_scale"].copy_(sv)
+        return
     cm, sm = quantize_m(m, bits)
     cv, sv = quantize_v(v, bits)
     state["exp_avg"].copy_(cm)
@@ -438,9 +504,9 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
 
 
 def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
-    """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` state (its top 16
-    bits, which the 8-bit codes leave unused), else a stream of its own."""
-    return STREAM_MV if fmt == "8bit" and param_dtype == torch.bfloat16 else STREAM_P
+    """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` or ``4bit`` state
+    (its top 16 bits, which their codes leave unused), else a stream of its own."""
+    return STREAM_MV if fmt in ("8bit", "4bit") and param_dtype == torch.bfloat16 else STREAM_P
 
 
 def adamw_step_ref_(

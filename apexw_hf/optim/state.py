@@ -12,9 +12,14 @@ compact    exp_avg, exp_avg_sq: bf16    4
            exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements
            exp_avg_scale,
            exp_avg_sq_scale: bf16
+4bit       exp_avg_mv: uint8, both      1, plus 2 * 2 bytes of bf16 scales per block of
+           moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements
+           exp_avg_scale,
+           exp_avg_sq_scale: bf16
 =========  ===========================  ==============================================================
 
-The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted).
+The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted); 4-bit
+state keeps both moments in one tensor, ``exp_avg_mv`` (``reference.quantize_mv4``).
 
 The 8-bit codes are of format version 2 (``reference.py``); the dtype of ``exp_avg`` says which version a state
 entry holds: uint8 (sign + e4m3 minifloat) is version 2, int8 (``(c/127)**2``) is version 1, written before version
@@ -30,6 +35,7 @@ from .. import reference as ref
 from . import dtensor as dt
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
 EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and those of format version 1 (read only)
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 
@@ -52,6 +58,11 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
         state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
+    elif fmt == "4bit":
+        nb = ref.num_blocks(p.numel(), ref.BLOCK4)
+        state[MV4_KEY] = torch.zeros_like(p, dtype=torch.uint8, **kw)
+        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
+        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
     else:
         raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
     return state
@@ -62,6 +73,8 @@ def state_format_of(state: dict) -> str | None:
     version 1 (int8 ``exp_avg``; always converted), ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
+    if MV4_KEY in state:
+        return "4bit"
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
