@@ -268,7 +268,14 @@ def main() -> int:
     ap.add_argument("--out", default="runs/gpu_full_finetune_smoke")
     ap.add_argument("--stack", choices=STACKS, help="run one stack in this process (the parent uses this)")
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument(
+        "--stacks", default=",".join(STACKS), help=f"comma-separated stacks to run (default: all of {', '.join(STACKS)})"
+    )
     a = ap.parse_args()
+    stacks = [s for s in a.stacks.split(",") if s]
+    unknown = sorted(set(stacks) - set(STACKS))
+    if unknown:
+        ap.error(f"unknown stack(s) {', '.join(unknown)}; allowed: {', '.join(STACKS)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.stack:
@@ -281,7 +288,7 @@ def main() -> int:
     model_dir = out / "model"
     build_model_dir(model_dir)
     rows = []
-    for stack in STACKS:
+    for stack in stacks:
         cmd = [sys.executable, __file__, "--stack", stack, "--model-dir", str(model_dir), "--out", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         (out / f"{stack}.log").write_text(proc.stdout[-200000:] + "\n--- stderr ---\n" + proc.stderr[-200000:])

@@ -3,11 +3,15 @@
 # each can hold. Run from the repository root on the GPU host, with the wheelhouse in .whl (../shared/gpu/README.md):
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh speed   $OUT   # smoke of every stack, then memory/speed
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT [apexw-compare args]   # >= 1,000 steps
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh steady  $OUT   # steps/s target, then the Unsloth smoke
 # One call holds the four cells the targets are about, 2 seeds x 2 learning rates (16 runs, 8 at a time):
 #   ... quality $OUT --optimizers adamw_torch_fused@fp32,adamw_torch_fused@bf16,apexw_8bit@bf16,apexw_compact@bf16
 # and a second call the three others (adamw_8bit@fp32,adamw_8bit@bf16,apexw_8bit@fp32) into another --output-dir.
 # speed:   scripts/gpu_full_finetune_smoke.py (Trainer, SFTTrainer, Unsloth full fine-tuning, the fp16 error), then
 #          the 7 optimizer/dtype cells one run at a time at seq 1024 x batch 4 (peak memory, steps/s).
+# steady:  the steps/s target's two cells (adamw_torch_fused@fp32, apexw_8bit@bf16), 2 seeds x STEADY_STEPS (400)
+#          steps each at seq 1024 x batch 4, one run at a time (steps_per_s_steady in each run's JSON leaves out the
+#          first 10% of steps); then the smoke's SMOKE_STACKS (unsloth,fp16) within SMOKE_SECONDS (280).
 # quality: configs/llama32_1b_full_h200.yaml, 4 runs sharing the GPU (peak memory is per process; steps/s there are
 #          measured under sharing and are not the speed result).
 # Each part leaves a tarball of its output directory and its log under $OUT.
@@ -27,6 +31,18 @@ case $part in
       --set compare.runs_per_device=1 --set compare.max_minutes="${SPEED_MINUTES:-4}" \
       --output-dir runs/llama32_1b_full_h200_speed 2>&1 | tee "$out/speed.log" | grep -v "^{'loss'" | tail -40
     tar czf "$out/speed.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200_speed
+    ;;
+  steady)
+    python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml --seeds 0,1 --lrs 1e-4 \
+      --optimizers adamw_torch_fused@fp32,apexw_8bit@bf16 \
+      --set 'compare.lr_sweep={}' --set data.pad_to_multiple_of=1024 --set train.per_device_train_batch_size=4 \
+      --set train.per_device_eval_batch_size=8 --set train.max_steps="${STEADY_STEPS:-400}" --set compare.jobs=2 \
+      --set compare.runs_per_device=1 --set compare.max_minutes="${STEADY_MINUTES:-4}" \
+      --output-dir runs/llama32_1b_full_h200_steady 2>&1 | tee "$out/steady.log" | grep -v "^{'loss'" | tail -40
+    tar czf "$out/steady.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200_steady
+    timeout "${SMOKE_SECONDS:-280}" python3 scripts/gpu_full_finetune_smoke.py --out runs/full_smoke \
+      --stacks "${SMOKE_STACKS:-unsloth,fp16}" 2>&1 | tail -20 | tee "$out/smoke.txt"
+    tar czf "$out/smoke.tgz" --exclude=model runs/full_smoke
     ;;
   quality)
     # the grid is stopped (its finished runs kept) before the device call's own limit, so the packing below runs
