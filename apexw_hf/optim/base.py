@@ -30,7 +30,7 @@ _TORCH_ADAMW_FLAGS = dict(
 
 
 class ApexW(torch.optim.Optimizer):
-    r"""AdamW with fp32, compact (bf16) or 8-bit optimizer state, and one Triton launch per parameter group.
+    r"""AdamW with fp32, compact (bf16), 8-bit or 4-bit optimizer state, and one Triton launch per parameter group.
 
     The update is that of ``torch.optim.AdamW`` (Loshchilov & Hutter, 2019: decoupled weight decay, bias correction,
     ``eps`` outside the square root). Only the storage of the moments differs (see :mod:`apexw_hf.optim.state`) and
@@ -44,7 +44,8 @@ class ApexW(torch.optim.Optimizer):
         eps: added to the denominator, >= 0.
         weight_decay: decoupled weight decay, >= 0.
         state_format: ``"compact"`` (bf16 moments, 4 bytes/param), ``"8bit"`` (block-quantized, about 2.03
-            bytes/param) or ``"fp32"`` (8 bytes/param, exact).
+            bytes/param), ``"4bit"`` (block-quantized, both moments in one byte, about 1.03 bytes/param) or
+            ``"fp32"`` (8 bytes/param, exact).
         maximize: maximize the objective instead of minimizing it.
         amsgrad: not supported; ``True`` raises ``ValueError``.
         seed: seed of the counter-based random streams used for stochastic rounding. The same seed gives
@@ -183,9 +184,10 @@ class ApexW(torch.optim.Optimizer):
         Returns:
             ``{"step", "exp_avg", "exp_avg_sq"}``: ``step`` a 0-dim fp32 CPU tensor (as in ``torch.optim.AdamW``), the
             moments fp32 tensors shaped like ``p`` on ``p``'s device, decoded with :mod:`apexw_hf.reference` (bf16
-            widened exactly; 8-bit codes times their block scales). They are copies: later steps do not change them.
-            For an FSDP2 (``DTensor``) parameter the moments are this rank's local shard, plain tensors shaped like
-            ``p.to_local()``. A parameter not stepped yet gives zeros and step 0, the state its first step starts from.
+            widened exactly; 8-bit and 4-bit codes times their block scales). They are copies: later steps do not
+            change them. For an FSDP2 (``DTensor``) parameter the moments are this rank's local shard, plain tensors
+            shaped like ``p.to_local()``. A parameter not stepped yet gives zeros and step 0, the state its first step
+            starts from.
 
         Raises:
             TypeError: ``p`` is not a tensor. ValueError: ``p`` is not a parameter of this optimizer.
@@ -332,9 +334,9 @@ class ApexW(torch.optim.Optimizer):
         """Load a state dict of ApexW (any format) or of ``torch.optim.AdamW``, keeping every dtype.
 
         ``torch.optim.Optimizer.load_state_dict`` casts floating state to the parameter dtype, which would turn bf16
-        moments and 8-bit scales into fp32 (or fp32 moments of bf16 parameters into bf16). Here each tensor keeps its
-        saved dtype and moves to its parameter's device; moments stored in another format than the group's
-        ``state_format`` (a torch AdamW checkpoint, or a changed format) are converted.
+        moments and the 8-bit and 4-bit scales into fp32 (or fp32 moments of bf16 parameters into bf16). Here each
+        tensor keeps its saved dtype and moves to its parameter's device; moments stored in another format than the
+        group's ``state_format`` (a torch AdamW checkpoint, or a changed format) are converted.
 
         The rest is ``torch.optim.Optimizer``'s contract: load-state-dict pre-hooks run first on a shallow copy (and
         may return a replacement), group hyperparameters come from the state dict, state keys that are not parameter

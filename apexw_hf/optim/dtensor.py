@@ -1,11 +1,13 @@
 """Sharded parameters (FSDP2 ``DTensor``): the step runs on each rank's local shard, state lives per local shard.
 
 The moments of a ``DTensor`` parameter are ``DTensor``s with the parameter's mesh and placements, so
-``torch.distributed.checkpoint`` saves, loads and reshards them like the parameter itself. The 8-bit scales belong to
-blocks of the *local* shard, so they cannot be resharded: each rank's scales are padded to the largest local block
-count and exposed as a ``DTensor`` sharded on dim 0 (the layout ``torch.distributed.checkpoint`` expects), and the
-state records how many shards the blocks were cut for (``block_shards``). Loading 8-bit state for another number of
-shards raises a clear error; fp32 and compact state reshard freely.
+``torch.distributed.checkpoint`` saves, loads and reshards them like the parameter itself (the 4-bit codes
+``exp_avg_mv`` too: one byte per element, shaped like the parameter). The block scales of the quantized formats
+(8-bit: one per 256 elements, 4-bit: one per 128) belong to blocks of the *local* shard, so they cannot be resharded:
+each rank's scales are padded to the largest local block count and exposed as a ``DTensor`` sharded on dim 0 (the
+layout ``torch.distributed.checkpoint`` expects), and the state records how many shards the blocks were cut for
+(``block_shards``). Loading quantized state for another number of shards raises a clear error; fp32 and compact state
+reshard freely.
 """
 
 from __future__ import annotations
@@ -36,14 +38,24 @@ def shard_count(p) -> int:
     return math.prod(mesh.size(i) for i, pl in enumerate(p.placements) if pl.is_shard())
 
 
-def max_local_blocks(p) -> int:
-    """8-bit blocks of the largest local shard (the first chunk along each sharded dim)."""
+def scale_block(state: dict) -> int:
+    """Elements per block scale of a state entry: 4-bit state (codes in ``exp_avg_mv``) has blocks of
+    :data:`~apexw_hf.reference.BLOCK4`, 8-bit state of :data:`~apexw_hf.reference.BLOCK`."""
+    return ref.BLOCK4 if "exp_avg_mv" in state else ref.BLOCK
+
+
+def _format_name(state: dict) -> str:
+    return "4-bit" if "exp_avg_mv" in state else "8-bit"
+
+
+def max_local_blocks(p, block: int = ref.BLOCK) -> int:
+    """Blocks of ``block`` elements in the largest local shard (the first chunk along each sharded dim)."""
     shape = list(p.shape)
     for i, pl in enumerate(p.placements):
         if pl.is_shard():
             dim = pl.dim
             shape[dim] = -(-shape[dim] // p.device_mesh.size(i))
-    return ref.num_blocks(math.prod(shape))
+    return ref.num_blocks(math.prod(shape), block)
 
 
 def _scale_placements(p):
@@ -53,11 +65,12 @@ def _scale_placements(p):
 def wrap_state(local_state: dict, p) -> dict:
     """Turn a freshly initialised local state (for ``p.to_local()``) into ``DTensor`` state for ``p``."""
     out = {"step": local_state["step"]}
+    block = scale_block(local_state)
     for key, value in local_state.items():
         if key == "step":
             continue
         if key.endswith("_scale"):
-            k = max_local_blocks(p)
+            k = max_local_blocks(p, block)
             padded = torch.zeros(k, dtype=value.dtype, device=value.device)
             padded[: value.numel()] = value
             n = shard_count(p)
@@ -75,7 +88,7 @@ def wrap_state(local_state: dict, p) -> dict:
 
 def local_view(state: dict, p) -> dict:
     """The local tensors of a ``DTensor`` state, with the padded scales cut to the local block count."""
-    nb = ref.num_blocks(p.to_local().numel())
+    nb = ref.num_blocks(p.to_local().numel(), scale_block(state))
     out = {}
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
@@ -87,12 +100,14 @@ def local_view(state: dict, p) -> dict:
 
 
 def check_block_shards(state: dict, p) -> None:
+    """Raise ``ValueError`` unless quantized ``state`` was saved for as many shards as ``p`` is cut into now."""
     if "exp_avg_scale" not in state:
         return
     saved = state.get("block_shards")
     if saved != shard_count(p):
+        name, block = _format_name(state), scale_block(state)
         raise ValueError(
-            f"8-bit optimizer state was saved for a parameter cut into {saved} shards, but here it is cut into "
-            f"{shard_count(p)}: 8-bit blocks belong to local shards and cannot be resharded. Resume with the same "
-            "number of shards, or save with state_format='compact' or 'fp32', which reshard freely"
+            f"{name} optimizer state was saved for a parameter cut into {saved} shards, but here it is cut into "
+            f"{shard_count(p)}: its blocks of {block} elements belong to local shards and cannot be resharded. Resume "
+            "with the same number of shards, or save with state_format='compact' or 'fp32', which reshard freely"
         )

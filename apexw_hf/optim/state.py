@@ -1,4 +1,4 @@
-"""State layouts of the three formats: allocation, byte accounting, and conversion between formats.
+"""State layouts of the four formats: allocation, byte accounting, and conversion between formats.
 
 Per parameter ``p``, ``optimizer.state[p]`` holds ``step`` (a 0-dim fp32 CPU tensor, as in ``torch.optim.AdamW``)
 and the moments:
@@ -25,6 +25,9 @@ The 8-bit codes are of format version 2 (``reference.py``); the dtype of ``exp_a
 entry holds: uint8 (sign + e4m3 minifloat) is version 2, int8 (``(c/127)**2``) is version 1, written before version
 2 existed. A version-1 entry is converted on load (decoded, then re-encoded with the random stream of its step, so
 deterministically) and reported as ``"8bit_v1"`` by :func:`state_format_of`.
+
+Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1 and ``torch.optim.AdamW``'s
+float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by ``reference.store_moments``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,20 @@ from . import dtensor as dt
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
 EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and those of format version 1 (read only)
+QUANTIZED = (*EIGHT_BIT, "4bit")  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
+STATE_KEYS = (*MOMENT_KEYS, MV4_KEY, *SCALE_KEYS)  # every tensor key of some layout, besides "step"
+_MOMENT_DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "compact": (torch.bfloat16, torch.bfloat16),
+    "8bit": (torch.uint8, torch.uint8),
+    "8bit_v1": (torch.int8, torch.uint8),
+}
+
+
+def block_of(fmt: str) -> int:
+    """Elements per block scale of a quantized layout: 128 for ``4bit``, 256 for the 8-bit ones."""
+    return ref.BLOCK4 if fmt == "4bit" else ref.BLOCK
 
 
 def init_state(p: torch.Tensor, fmt: str) -> dict:
@@ -88,8 +104,8 @@ def state_format_of(state: dict) -> str | None:
 
 
 def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
-    """Raise ``ValueError`` unless the moments to convert fit ``p`` (8-bit: exactly its layout)."""
-    if src in EIGHT_BIT:
+    """Raise ``ValueError`` unless the moments to convert fit ``p`` (quantized: exactly its layout)."""
+    if src in QUANTIZED:
         check_state(state, p, src)
         if dt.is_dtensor(p):
             dt.check_block_shards(state, p)
@@ -107,15 +123,16 @@ def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
 
 def _layout(p: torch.Tensor, fmt: str) -> dict:
     """(dtype, global shape) of each state tensor of format ``fmt`` for ``p``."""
-    dtypes = {
-        "fp32": (torch.float32,) * 2,
-        "compact": (torch.bfloat16,) * 2,
-        "8bit": (torch.uint8, torch.uint8),
-        "8bit_v1": (torch.int8, torch.uint8),
-    }
-    out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in dtypes[fmt])))
-    if fmt in EIGHT_BIT:
-        nb = dt.max_local_blocks(p) * dt.shard_count(p) if dt.is_dtensor(p) else ref.num_blocks(p.numel())
+    if fmt == "4bit":
+        out = {MV4_KEY: (torch.uint8, p.shape)}
+    else:
+        out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in _MOMENT_DTYPES[fmt])))
+    if fmt in QUANTIZED:
+        block = block_of(fmt)
+        if dt.is_dtensor(p):
+            nb = dt.max_local_blocks(p, block) * dt.shard_count(p)
+        else:
+            nb = ref.num_blocks(p.numel(), block)
         out.update({k: (torch.bfloat16, torch.Size([nb])) for k in SCALE_KEYS})
     return out
 
@@ -130,8 +147,17 @@ def _check_kind(key: str, got: torch.Tensor, p: torch.Tensor) -> None:
 
 
 def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
-    """Raise ``ValueError`` unless ``state`` has exactly the shapes and dtypes of format ``fmt`` for ``p``."""
-    for key, (dtype, shape) in _layout(p, fmt).items():
+    """Raise ``ValueError`` unless ``state`` has exactly the shapes and dtypes of format ``fmt`` for ``p``, and no
+    tensor of another layout (4-bit codes beside float moments would leave it unclear which to read)."""
+    layout = _layout(p, fmt)
+    stray = [k for k in STATE_KEYS if k in state and k not in layout]
+    if stray:
+        raise ValueError(
+            f"optimizer state for a parameter of shape {tuple(p.shape)} holds {', '.join(map(repr, stray))} beside "
+            f"the tensors of format {fmt!r}, which are exactly {', '.join(map(repr, layout))} (and 'step'); "
+            "one state entry holds one format"
+        )
+    for key, (dtype, shape) in layout.items():
         got = state.get(key)
         if isinstance(got, torch.Tensor):
             _check_kind(key, got, p)
@@ -158,9 +184,9 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
     if src is None:
         return {}
     if src == fmt:
-        out = {k: v.to(p.device) for k, v in state.items() if k in MOMENT_KEYS + SCALE_KEYS}
-        check_state(out, p, fmt)
-        if dt.is_dtensor(p) and fmt == "8bit":
+        check_state(state, p, fmt)
+        out = {k: v.to(p.device) for k, v in state.items() if k in STATE_KEYS}
+        if dt.is_dtensor(p) and fmt in QUANTIZED:
             dt.check_block_shards(state, p)
             out["block_shards"] = state["block_shards"]
         out["step"] = step.clone()

@@ -25,7 +25,11 @@ def P(*shape, **kw):
         (dict(betas=(1.0, 0.999)), ValueError, r"invalid beta1 1.0: must be in \[0, 1\)"),
         (dict(betas=(0.9, -0.1)), ValueError, "invalid beta2"),
         (dict(betas=(0.9,)), ValueError, "betas must be a pair"),
-        (dict(state_format="4bit"), ValueError, "unknown state_format '4bit'; allowed: 'fp32', 'compact', '8bit'"),
+        (
+            dict(state_format="int4"),
+            ValueError,
+            "unknown state_format 'int4'; allowed: 'fp32', 'compact', '8bit', '4bit'",
+        ),
         (dict(param_rounding="up"), ValueError, "unknown param_rounding 'up'"),
         (dict(engine="cuda"), ValueError, "unknown engine 'cuda'; allowed: 'auto', 'triton', 'torch'"),
         (dict(amsgrad=True), ValueError, "amsgrad=True is not supported"),
