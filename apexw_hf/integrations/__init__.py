@@ -1,7 +1,8 @@
 """Hugging Face / TRL / Unsloth integration: optim names, the optimizer-state callback, Unsloth's CPU mode.
 
-``import apexw_hf`` calls :func:`register`, which makes ``optim="apexw_8bit"`` and ``optim="apexw_compact"`` valid
-everywhere transformers reads ``optim``, without importing transformers itself (that import takes seconds):
+``import apexw_hf`` calls :func:`register`, which makes ``optim="apexw_8bit"``, ``"apexw_4bit"`` and
+``"apexw_compact"`` valid everywhere transformers reads ``optim``, without importing transformers itself (that import
+takes seconds):
 
 * if transformers' modules are already imported, they are patched at once;
 * otherwise a ``sys.meta_path`` finder waits for ``transformers.training_args`` (and ``trainer_optimizer`` /
@@ -66,7 +67,7 @@ def _run_hook(name: str, module) -> None:
     except Exception as exc:  # never break `import transformers`; say loudly what did not happen
         warnings.warn(
             f"apexw_hf could not register its optimizer names with {name} ({type(exc).__name__}: {exc}); "
-            "optim='apexw_8bit'/'apexw_compact' will not be accepted. Use "
+            "optim='apexw_8bit'/'apexw_4bit'/'apexw_compact' will not be accepted. Use "
             "Trainer(optimizer_cls_and_kwargs=(apexw_hf.ApexW8bit, {...})) instead, and please report this.",
             RuntimeWarning,
             stacklevel=2,

@@ -1,4 +1,4 @@
-"""``optim="apexw_8bit"`` / ``"apexw_compact"`` for ``transformers.TrainingArguments`` and everything built on it.
+"""``optim="apexw_8bit"`` / ``"apexw_4bit"`` / ``"apexw_compact"`` for ``transformers.TrainingArguments`` and more.
 
 transformers has no public registry of optimizer names: ``TrainingArguments.__post_init__`` turns ``optim`` into the
 closed enum ``OptimizerNames`` (an unknown string fails there, before any Trainer exists), ``HfArgumentParser`` takes
@@ -6,10 +6,10 @@ its ``--optim`` choices from that enum when a parser is built, and the Trainer r
 ``transformers.trainer_optimizer._OPTIMIZER_HANDLERS`` (transformers >= 5.2) or the ``if``/``elif`` chain of
 ``Trainer.get_optimizer_cls_and_kwargs`` (older releases). :func:`register` therefore
 
-1. adds the members ``APEXW_8BIT = "apexw_8bit"`` and ``APEXW_COMPACT = "apexw_compact"`` to ``OptimizerNames``
-   (so TRL's ``SFTConfig``, Unsloth's ``UnslothTrainingArguments``, JSON/YAML configs, ``--optim`` and a pickled
-   ``training_args.bin`` accept them), and makes the enum's error for a misspelled ``apexw`` name list the valid
-   ones;
+1. adds the members ``APEXW_8BIT = "apexw_8bit"``, ``APEXW_4BIT = "apexw_4bit"`` and
+   ``APEXW_COMPACT = "apexw_compact"`` to ``OptimizerNames`` (so TRL's ``SFTConfig``, Unsloth's
+   ``UnslothTrainingArguments``, JSON/YAML configs, ``--optim`` and a pickled ``training_args.bin`` accept them), and
+   makes the enum's error for a misspelled ``apexw`` name list the valid ones;
 2. validates ``optim_args`` and rejects a DeepSpeed config that brings its own optimizer in
    ``TrainingArguments.__post_init__``, i.e. when the arguments are built, not minutes later in ``train()``;
 3. adds a handler to ``_OPTIMIZER_HANDLERS`` or, before 5.2, wraps ``Trainer.get_optimizer_cls_and_kwargs``.
@@ -43,9 +43,10 @@ __all__ = [
 APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "apexw_8bit": ("APEXW_8BIT", "8bit"),
     "apexw_compact": ("APEXW_COMPACT", "compact"),
+    "apexw_4bit": ("APEXW_4BIT", "4bit"),
 }
 
-_STATE_FORMATS = ("compact", "8bit", "fp32")
+_STATE_FORMATS = ("compact", "8bit", "4bit", "fp32")
 _ENGINES = ("auto", "triton", "torch")
 _PARAM_ROUNDINGS = ("stochastic", "nearest")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
@@ -54,7 +55,7 @@ _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 # with a pointer to their field, so there is one place for each setting.
 # (state_format overrides the format the optim name selects; seed seeds the stochastic-rounding streams.)
 OPTIM_ARGS: dict[str, str] = {
-    "state_format": "compact|8bit|fp32",
+    "state_format": "compact|8bit|4bit|fp32",
     "seed": "<int in [0, 2**32)>",
     "engine": "auto|triton|torch",
     "param_rounding": "stochastic|nearest",
@@ -157,9 +158,9 @@ def parse_optim_args(optim_args: str | dict | None, optim: str = "apexw_8bit") -
 
 
 def _optimizer_class(name: str):
-    from ..optim import ApexW8bit, ApexWCompact
+    from ..optim import ApexW4bit, ApexW8bit, ApexWCompact
 
-    return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact}[name]
+    return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact, "apexw_4bit": ApexW4bit}[name]
 
 
 def check_model_for_training_args(args, model) -> None:

@@ -1,14 +1,15 @@
-"""Keep ``optim="apexw_8bit"`` intact under Unsloth's CPU mode.
+"""Keep ``optim="apexw_8bit"`` (and every other ApexW name) intact under Unsloth's CPU mode.
 
 When ``import unsloth`` finds no accelerator it installs CPU training defaults
 (``unsloth_zoo.cpu.trainer.install_cpu_training_defaults``): ``TrainingArguments.__post_init__`` and the TRL
 configs' ``__post_init__`` then call ``normalize_cpu_training_arguments``, which replaces every ``optim`` whose name
 contains "8bit", "paged", "bnb", "npu" or "xla" with ``adamw_torch_fused`` (bitsandbytes has no CPU kernels). The
-substring test also catches ``apexw_8bit``, which does run on the CPU (through :mod:`apexw_hf.reference`), so the
-run would silently train with torch AdamW instead.
+substring test also catches ``apexw_8bit``, which does run on the CPU (ApexW's plain-PyTorch engine), so the run
+would silently train with torch AdamW instead. ``apexw_4bit`` and ``apexw_compact`` pass that test in Unsloth
+2026.10, but a test widened to bitsandbytes' 4-bit names would catch ``apexw_4bit`` the same way.
 
-:func:`patch_unsloth_cpu` wraps that function so the ApexW names pass through unchanged (every other CPU default
-still applies). It runs automatically right after ``unsloth_zoo.cpu.trainer`` is imported (see
+:func:`patch_unsloth_cpu` wraps that function so every ApexW name (``APEXW_OPTIMIZERS``) passes through unchanged
+(every other CPU default still applies). It runs automatically right after ``unsloth_zoo.cpu.trainer`` is imported (see
 :mod:`apexw_hf.integrations`). If a future Unsloth moves the rewrite elsewhere, :func:`check_unsloth_cpu` fails
 loudly instead of letting the optimizer be swapped: it is called after the patch, and it warns at import with a
 ``RuntimeWarning``; call it yourself to get the ``RuntimeError``.

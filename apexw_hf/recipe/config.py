@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -35,6 +36,7 @@ __all__ = [
     "KNOWN_OPTIMIZERS",
     "PARAM_DTYPES",
     "split_optimizer_spec",
+    "check_optim_name",
     "optimizer_label",
 ]
 
@@ -46,6 +48,7 @@ KNOWN_OPTIMIZERS = {
     "adamw_8bit": "bitsandbytes 8-bit AdamW",
     "apexw_compact": "ApexW Compact",
     "apexw_8bit": "ApexW 8bit",
+    "apexw_4bit": "ApexW 4bit",
 }
 _PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 _FINETUNING = ("lora", "full")
@@ -81,6 +84,24 @@ def split_optimizer_spec(spec: str) -> tuple[str, str | None]:
             "'apexw_8bit@bf16'), or a plain optim name"
         )
     return name, dtype
+
+
+def check_optim_name(name: str, where: str) -> None:
+    """Raise ``ValueError`` for an ``apexw...`` name that apexw_hf does not register, naming the ones it does.
+
+    Other names go to the Trainer unchecked (any ``optim`` it accepts runs); a misspelled ApexW name would otherwise
+    fail only when its run starts, as an unknown Trainer optimizer.
+    """
+    from ..integrations.transformers import APEXW_OPTIMIZERS
+
+    if not name.lower().startswith("apex") or name in APEXW_OPTIMIZERS:
+        return
+    close = difflib.get_close_matches(name.lower(), list(APEXW_OPTIMIZERS), n=1, cutoff=0.6)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise ValueError(
+        f"{where}: {name!r} is not an ApexW optimizer.{hint} The ApexW names are: "
+        f"{', '.join(map(repr, APEXW_OPTIMIZERS))}"
+    )
 
 
 def optimizer_label(spec: str) -> str:
@@ -222,6 +243,7 @@ class TrainConfig:
                 f"train.optim={self.optim!r}: give the parameter dtype as train.param_dtype (the `optim@dtype` "
                 "spelling is for compare.optimizers)"
             )
+        check_optim_name(self.optim, "train.optim")
         if self.learning_rate <= 0:
             raise ValueError(f"train.learning_rate={self.learning_rate} must be positive")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -271,8 +293,8 @@ class CompareConfig:
             if len(set(seq)) != len(seq):
                 raise ValueError(f"compare.{name} has duplicates: {seq}")
         for spec in self.optimizers:
-            split_optimizer_spec(spec)
-        split_optimizer_spec(self.baseline)
+            check_optim_name(split_optimizer_spec(spec)[0], "compare.optimizers")
+        check_optim_name(split_optimizer_spec(self.baseline)[0], "compare.baseline")
         if isinstance(self.lr_sweep, dict):
             unknown = sorted(set(self.lr_sweep) - set(self.optimizers))
             if unknown:

@@ -63,6 +63,7 @@ _EXPECTED_CLASS = {
     "adamw_8bit": ("bitsandbytes", None),
     "apexw_compact": ("apexw_hf", "ApexWCompact"),
     "apexw_8bit": ("apexw_hf", "ApexW8bit"),
+    "apexw_4bit": ("apexw_hf", "ApexW4bit"),
 }
 
 
