@@ -2,7 +2,7 @@
 
 import torch
 
-FORMATS = ("fp32", "compact", "8bit")
+FORMATS = ("fp32", "compact", "8bit", "4bit")
 SHAPES = [(1,), (255,), (256,), (257,), (4095,), (4097,), (33, 65)]
 
 

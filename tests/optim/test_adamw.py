@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from apexw_hf import ApexW, ApexW8bit, ApexWCompact
+from apexw_hf import ApexW, ApexW4bit, ApexW8bit, ApexWCompact
 
 from .helpers import FORMATS, SHAPES, make_grads, relative_deviation, run_steps
 
@@ -13,7 +13,12 @@ from .helpers import FORMATS, SHAPES, make_grads, relative_deviation, run_steps
 # unbiased); measured ~0.6%; bound 2%, five bf16 ulps.
 # 8bit: codes have 127/255 levels per block (relative code step near the block max ~1.6%), unbiased rounding;
 # measured ~2.3%; bound 6%.
-TOLERANCE = {"fp32": 1e-5, "compact": 0.02, "8bit": 0.06}
+# 4bit: one code per binade (m: 2**-6 .. 1 of the block scale, v: 2**-14 .. 1), so each write rounds a moment to one
+# of the two powers of two around it (unbiased, a third of its value off in the middle of a binade); on these
+# random-gradient runs, where the distance travelled is itself a random walk, the path ends 0.43-0.57 of that distance
+# away from torch's (8 gradient seeds, 257 and 4097 elements), ~0.12 in the hyperparameter test; bound 0.75 (a
+# format that lost the update or flipped its sign would be at >= 1).
+TOLERANCE = {"fp32": 1e-5, "compact": 0.02, "8bit": 0.06, "4bit": 0.75}
 
 
 def _pair(shape, fmt, steps=60, seed=0, **kw):
@@ -103,28 +108,41 @@ def test_param_that_skips_steps_keeps_its_own_step_count(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_params(fmt, dtype):
-    """bf16/fp16 params with stochastic rounding track an fp32 AdamW run; nearest rounding stalls on small updates."""
+    """bf16/fp16 params with stochastic rounding track an fp32 run; nearest rounding stalls on small updates.
+
+    The fp32 run is torch.optim.AdamW's, except for 4bit: the noise of its state alone (one code per binade) puts a
+    run ~0.29 of the distance travelled off AdamW's path in these 200 steps. Its fp32 run is ApexW with 4-bit state
+    on fp32 parameters, which holds the same moments bit for bit (the gradients are given, and the moments' random
+    bits do not depend on the parameters), so that the difference is the parameter rounding alone.
+    """
     p0 = torch.randn(64, 64).to(dtype).float()
     drift = torch.randn(64, 64, generator=torch.Generator().manual_seed(6))
     grads = [drift + 0.5 * g for g in make_grads((64, 64), 200, 5)]
     ref = torch.nn.Parameter(p0.clone())
-    run_steps(torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0), [ref], [grads])
+    if fmt == "4bit":
+        ref_opt = ApexW([ref], lr=1e-3, weight_decay=0.0, state_format=fmt)
+        run_steps(ref_opt, [ref], [[g.to(dtype).float() for g in grads]])
+    else:
+        run_steps(torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0), [ref], [grads])
     dev = {}
     for rounding in ("stochastic", "nearest"):
         p = torch.nn.Parameter(p0.clone().to(dtype))
         opt = ApexW([p], lr=1e-3, weight_decay=0.0, state_format=fmt, param_rounding=rounding)
         run_steps(opt, [p], [[g.to(dtype) for g in grads]])
         assert p.dtype == dtype
+        if fmt == "4bit":
+            assert all(torch.equal(opt.state[p][k], ref_opt.state[ref][k]) for k in ref_opt.state[ref])
         dev[rounding] = relative_deviation(p.detach().float(), ref.detach(), p0)
     # rounding noise of a random walk of 200 roundings at ~1/4 ulp per update: about 0.1 of the distance travelled
     assert dev["stochastic"] < 0.25
     assert dev["stochastic"] < dev["nearest"]
 
 
-def test_same_seed_identical_other_seed_differs():
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_same_seed_identical_other_seed_differs(fmt):
     def run(seed):
         p = torch.nn.Parameter(torch.ones(300))
-        run_steps(ApexW([p], state_format="8bit", seed=seed), [p], [make_grads((300,), 5)])
+        run_steps(ApexW([p], state_format=fmt, seed=seed), [p], [make_grads((300,), 5)])
         return p.detach()
 
     assert torch.equal(run(7), run(7))
@@ -135,7 +153,10 @@ def test_subclasses_set_format_and_defaults():
     p = torch.nn.Parameter(torch.randn(3))
     assert ApexWCompact([p]).defaults["state_format"] == "compact"
     assert ApexW8bit([p]).defaults["state_format"] == "8bit"
+    assert ApexW4bit([p]).defaults["state_format"] == "4bit"
     assert ApexW8bit([p], lr=5e-5).defaults["lr"] == 5e-5
+    assert ApexW4bit([p], lr=5e-5, weight_decay=0.0).defaults["lr"] == 5e-5
+    assert ApexW4bit([p], state_format="8bit").defaults["state_format"] == "8bit"  # a default, not a fixed format
 
 
 def test_group_format_override():
@@ -146,3 +167,15 @@ def test_group_format_override():
     assert opt.state[emb]["exp_avg"].dtype == torch.float32
     assert opt.state[lin]["exp_avg"].dtype == torch.uint8
     assert opt.state_bytes() == 100 * 8 * 8 + 4 + 64 * 2 + 2 * 2 + 4
+
+
+def test_group_format_override_4bit():
+    emb, lin = torch.nn.Parameter(torch.randn(100, 8)), torch.nn.Parameter(torch.randn(8, 30))
+    opt = ApexW4bit([{"params": [emb], "state_format": "8bit"}, {"params": [lin]}])
+    emb.grad, lin.grad = torch.randn(100, 8), torch.randn(8, 30)
+    opt.step()
+    assert opt.state[emb]["exp_avg"].dtype == torch.uint8 and "exp_avg_mv" not in opt.state[emb]
+    assert set(opt.state[lin]) == {"step", "exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"}
+    assert opt.state[lin]["exp_avg_mv"].dtype == torch.uint8 and opt.state[lin]["exp_avg_mv"].shape == (8, 30)
+    # 8bit: 800 + 800 codes, 4 blocks of 256 x 2 bf16 scales; 4bit: 240 bytes, 2 blocks of 128 x 2 bf16 scales
+    assert opt.state_bytes() == (2 * 800 + 4 * 2 * 2 + 4) + (240 + 2 * 2 * 2 + 4)

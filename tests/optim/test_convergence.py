@@ -61,11 +61,14 @@ def _tiny_llama(seed, make_opt, steps=60):
 # A quantized or bf16 state must not cost more than a small fraction of the loss torch reaches. Margins (relative to
 # torch AdamW's mean final loss over 3 seeds): compact 3%, 8bit 5%. On this CPU test the gaps measured were within
 # +-0.01% (compact) and -0.2% (8bit) on both tasks, where the losses fell from 1.6 to 0.06 and from 4.2 to 0.25.
-MARGIN = {"fp32": 0.001, "compact": 0.03, "8bit": 0.05}
+# 4bit, 10%: measured -16% (mlp) and -21% (tiny_llama) with the reference's 4-bit numerics: lower losses than torch at
+# this lr (its powers-of-two v makes the mean step larger, E[1/sqrt(v)] over the rounding exceeds 1/sqrt(E[v])),
+# which a one-sided margin accepts; whether that holds at a tuned lr is what a grid over learning rates shows.
+MARGIN = {"fp32": 0.001, "compact": 0.03, "8bit": 0.05, "4bit": 0.10}
 
 
 @pytest.mark.parametrize("task, lr", [(_teacher_student, 3e-3), (_tiny_llama, 3e-3)], ids=["mlp", "tiny_llama"])
-@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit", "4bit"])
 def test_final_loss_close_to_torch_adamw(task, lr, fmt):
     torch_losses = [task(s, lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01)) for s in SEEDS]
     ours = [task(s, lambda ps, s=s: ApexW(ps, lr=lr, weight_decay=0.01, state_format=fmt, seed=s)) for s in SEEDS]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from apexw_hf import ApexW
+from apexw_hf import ApexW, ApexW4bit, optimizer_state_bytes
 from apexw_hf import reference as ref
 from apexw_hf.optim import state as st
 
@@ -82,12 +82,13 @@ def test_nan_gradient_stays_in_its_tensor(fmt):
     assert torch.isfinite(good).all()
     for key, value in opt.state[good].items():
         assert torch.equal(value, ref_opt.state[twin][key])
-    # The tensor itself: with fp32/compact state only the bad elements become NaN; with 8bit the NaN reaches the
-    # scale of its 256-element block, so the whole block (elements 0..255) turns NaN from the next step on.
+    # The tensor itself: with fp32/compact state only the bad elements become NaN; with 8bit (4bit) the NaN reaches
+    # the scale of its 256-element (128-element) block, so the whole block turns NaN from the next step on.
     nan = torch.isnan(bad.detach())
     assert nan[5] and nan[9]
-    if fmt == "8bit":
-        assert nan[:256].all() and not nan[256:].any()
+    block = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}.get(fmt)
+    if block:
+        assert nan[:block].all() and not nan[block:].any()
     else:
         assert nan.sum() == 2
 
@@ -98,6 +99,7 @@ def test_nan_gradient_stays_in_its_tensor(fmt):
         ("fp32", 24_313_856 * 8 + 392 * 4),
         ("compact", 24_313_856 * 4 + 392 * 4),
         ("8bit", 24_313_856 * 2 + 2 * 2 * (24_313_856 // 256) + 392 * 4),
+        ("4bit", 24_313_856 * 1 + 2 * 2 * (24_313_856 // 128) + 392 * 4),
     ],
 )
 def test_state_bytes_on_lora_llama_3b_set(fmt, expected):
@@ -113,6 +115,8 @@ def test_state_bytes_on_lora_llama_3b_set(fmt, expected):
         assert round(mib, 2) == 92.75
     if fmt == "8bit":
         assert mib <= 47.10  # published ApexW 8bit: 47.101 MiB; bitsandbytes 0.50.2: 47.865 MiB
+    if fmt == "4bit":
+        assert round(mib, 2) == 23.91  # 1.031 bytes per parameter
     if fmt == "fp32":
         assert round(mib, 2) == 185.50
 
@@ -122,3 +126,24 @@ def test_8bit_state_of_tiny_tensors_is_quantized():
     s = st.init_state(p, "8bit")
     assert s["exp_avg"].dtype == torch.uint8 and s["exp_avg_scale"].numel() == 1
     assert st.state_tensor_bytes(s) == 4 + 3 + 3 + 2 + 2
+
+
+def test_4bit_state_of_tiny_tensors_is_quantized():
+    p = torch.nn.Parameter(torch.randn(3))
+    s = st.init_state(p, "4bit")
+    assert set(s) == {"step", "exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"}
+    assert s["exp_avg_mv"].dtype == torch.uint8 and s["exp_avg_mv"].shape == (3,) and s["exp_avg_scale"].numel() == 1
+    assert st.state_tensor_bytes(s) == 4 + 3 + 2 + 2
+
+
+@pytest.mark.parametrize("shape", [(1,), (127,), (128,), (129,), (33, 65)])
+def test_4bit_state_bytes_are_exact(shape):
+    """1 byte per element for both moments' codes, 2 bf16 scales per 128 elements, a 4-byte step: exact, and the same
+    through the accounting module that measures every optimizer."""
+    p = torch.nn.Parameter(torch.randn(shape))
+    opt = ApexW4bit([p])
+    opt._init_state(p, opt.param_groups[0])
+    n = p.numel()
+    expected = n + 2 * 2 * -(-n // 128) + 4
+    assert opt.state_bytes() == optimizer_state_bytes(opt) == expected
+    assert optimizer_state_bytes(opt, unique=True) == expected

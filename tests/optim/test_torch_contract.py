@@ -30,9 +30,9 @@ from torch.testing._internal.common_optimizers import (
     get_error_inputs_for_all_optims,
 )
 
-from apexw_hf import ApexW, ApexW8bit, ApexWCompact
+from apexw_hf import ApexW, ApexW4bit, ApexW8bit, ApexWCompact
 
-FORMATS = ("fp32", "compact", "8bit")
+FORMATS = ("fp32", "compact", "8bit", "4bit")
 IMPL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 
 
@@ -85,6 +85,7 @@ APEXW_INFOS = [
     _apexw_info(ApexW, optim_inputs_func_apexw),
     _apexw_info(ApexWCompact, optim_inputs_func_apexw_subclass),
     _apexw_info(ApexW8bit, optim_inputs_func_apexw_subclass),
+    _apexw_info(ApexW4bit, optim_inputs_func_apexw_subclass),
 ]
 # The control runs in AdamW's default implementation for CPU parameters (the for-loop one).
 CONTROL = OptimizerInfo(

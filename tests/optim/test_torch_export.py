@@ -7,13 +7,16 @@ import pytest
 import torch
 
 from apexw_hf import ApexW
+from apexw_hf import reference as ref
 
 from .helpers import FORMATS, make_grads, run_steps
 
 SHAPES = [(33, 65), (257,), (1,)]
 # One code step of the largest values (8-bit: the m code step in the top binade [1/2, 1) of the scale is 1/16 of the
-# scale, v's 1/32).
-TOLERANCE = {"fp32": 0.0, "compact": 2**-8, "8bit": 1 / 16}
+# scale, v's 1/32). 4-bit codes step a whole binade (1/2 of the scale at the top), and six steps of rounding the
+# moments to powers of two put them up to 0.67 of the largest value away from an fp32 run's (measured): 1/4 here,
+# so that the test's 4 x TOLERANCE is the largest value itself.
+TOLERANCE = {"fp32": 0.0, "compact": 2**-8, "8bit": 1 / 16, "4bit": 1 / 4}
 
 
 def _roundtrip(sd):
@@ -70,6 +73,8 @@ def test_dequantized_state_is_fp32_and_close_to_an_fp32_run(fmt):
             assert (got[key] - want[key]).abs().max() <= 4 * TOLERANCE[fmt] * scale + 1e-12, key
         if fmt == "fp32":
             assert torch.equal(got["exp_avg"], opt.state[p]["exp_avg"])
+        m, v = ref.load_moments(opt.state[p], fmt, p.shape)  # the specification's decoding, bit for bit
+        assert torch.equal(got["exp_avg"], m.float()) and torch.equal(got["exp_avg_sq"], v.float())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -82,9 +87,10 @@ def test_dequantized_state_is_a_copy(fmt):
     assert not torch.equal(opt.dequantized_state(params[0])["exp_avg"], before["exp_avg"])
 
 
-def test_dequantized_state_before_the_first_step():
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_dequantized_state_before_the_first_step(fmt):
     p = torch.nn.Parameter(torch.randn(5))
-    got = ApexW([p], state_format="8bit").dequantized_state(p)
+    got = ApexW([p], state_format=fmt).dequantized_state(p)
     assert got["step"].item() == 0 and not got["exp_avg"].any() and not got["exp_avg_sq"].any()
 
 
@@ -164,10 +170,12 @@ def test_fp32_through_torch_and_back_is_exact():
     assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, clones))
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_quantized_through_torch_and_back_keeps_the_moments(fmt):
     """compact -> fp32 -> compact is exact (bf16 values re-round to themselves); 8-bit re-quantizes its own
-    decoded values, within one code step of the block scale."""
+    decoded values, within one code step of the block scale; 4-bit decoded values are powers of two times the block
+    scale, which re-encode to the same values exactly (the codes and scales may shift together when a block's
+    largest code was below 1.0)."""
     opt, params = _trained(fmt)
     topt = torch.optim.AdamW(_torch_groups(_clones(params)))
     topt.load_state_dict(opt.to_torch_adamw_state_dict())
@@ -182,6 +190,8 @@ def test_quantized_through_torch_and_back_keeps_the_moments(fmt):
             if fmt == "compact":
                 assert torch.equal(before[key], after[key]), key
                 assert torch.equal(back.state[q][key], opt.state[p][key]), key
+            elif fmt == "4bit":
+                assert torch.equal(before[key], after[key]), key
             else:
                 bound = TOLERANCE[fmt] * before[key].abs().max()
                 assert (before[key] - after[key]).abs().max() <= bound, key
