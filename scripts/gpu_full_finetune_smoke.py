@@ -140,6 +140,9 @@ def _record(trainer, model, before_dtypes, optim: str, stack: str, t0: float) ->
                     fp32_param_sized += 1
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     after_dtypes = sorted({str(p.dtype) for p in params})
+    # which trainable parameters are not bf16 (name, dtype, elements): a stack that keeps some in fp32 shows here
+    not_bf16 = [(name, str(p.dtype), p.numel()) for name, p in model.named_parameters() if p.requires_grad]
+    not_bf16 = [t for t in not_bf16 if t[1] != "torch.bfloat16"]
     row = {
         "stack": stack,
         "optim": optim,
@@ -148,6 +151,9 @@ def _record(trainer, model, before_dtypes, optim: str, stack: str, t0: float) ->
         "param_rounding": sorted({str(g.get("param_rounding")) for g in opt.param_groups}),
         "param_dtypes_before": before_dtypes,
         "param_dtypes_after": after_dtypes,
+        "params_not_bf16": not_bf16[:40],
+        "params_not_bf16_count": len(not_bf16),
+        "params_not_bf16_elements": sum(t[2] for t in not_bf16),
         "state_dtypes": state_dtypes,
         "fp32_param_sized_state_tensors": fp32_param_sized,
         "trainable_params": n,
@@ -158,7 +164,11 @@ def _record(trainer, model, before_dtypes, optim: str, stack: str, t0: float) ->
     }
     problems = []
     if after_dtypes != ["torch.bfloat16"]:
-        problems.append(f"trainable parameters are {after_dtypes} after training, not bf16")
+        names = ", ".join(f"{t[0]} ({t[1]}, {t[2]})" for t in not_bf16[:4])
+        problems.append(
+            f"trainable parameters are {after_dtypes} after training, not bf16: {len(not_bf16)} parameters with "
+            f"{sum(t[2] for t in not_bf16)} of {n} elements, e.g. {names}"
+        )
     if fp32_param_sized:
         problems.append(f"{fp32_param_sized} fp32 state tensors of parameter size (a master copy?)")
     if not row["triton_engine"]:
@@ -269,7 +279,7 @@ def main() -> int:
     ap.add_argument("--stack", choices=STACKS, help="run one stack in this process (the parent uses this)")
     ap.add_argument("--model-dir", default=None)
     ap.add_argument(
-        "--stacks", default=",".join(STACKS), help=f"comma-separated stacks to run (default: all of {', '.join(STACKS)})"
+        "--stacks", default=",".join(STACKS), help=f"comma-separated stacks to run (default: {', '.join(STACKS)})"
     )
     a = ap.parse_args()
     stacks = [s for s in a.stacks.split(",") if s]
