@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apexw_hf import ApexW8bit, ApexWCompact, optimizer_state_bytes
+from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact, optimizer_state_bytes
 from apexw_hf.accounting import optimizer_param_count, unwrap_optimizer
 from apexw_hf.integrations.callbacks import OptimizerStateCallback
 
@@ -84,11 +84,34 @@ def test_accounting_matches_torch_adamw_and_apexw():
     assert optimizer_state_bytes(opt) == 8 * n + 4 * len(params)  # fp32 moments + fp32 step counters
     assert optimizer_param_count(opt) == n
 
-    for cls, per_param in ((ApexWCompact, 4), (ApexW8bit, 2)):
+    for cls, per_param in ((ApexWCompact, 4), (ApexW8bit, 2), (ApexW4bit, 1)):
         apex = cls(params, engine="torch")
         apex.step()
         assert optimizer_state_bytes(apex) == apex.state_bytes()
         assert per_param * n <= apex.state_bytes() < (per_param + 1) * n
+
+
+@pytest.mark.parametrize("name", ["apexw_4bit", "apexw_8bit"])
+def test_callback_logs_the_exact_state_bytes(tmp_path, name):
+    """The logged MiB and bytes per parameter are the exact bytes of the format's tensors: per trainable tensor of n
+    elements, the codes (4bit: n bytes for both moments; 8bit: 2n), two bf16 scales per block (128 / 256 elements) and
+    the fp32 step."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, max_steps=2))
+    trainer = Trainer(
+        model=make_model(), args=args, train_dataset=token_dataset(8), callbacks=[OptimizerStateCallback()]
+    )
+    trainer.train()
+    sizes = [p.numel() for p in trainer.model.parameters() if p.requires_grad]
+    codes, block = {"apexw_4bit": (1, 128), "apexw_8bit": (2, 256)}[name]
+    nbytes = sum(codes * n + 2 * 2 * -(-n // block) + 4 for n in sizes)
+    assert unwrap_optimizer(trainer.optimizer).state_bytes() == nbytes
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert h["optimizer_state_mib"] == nbytes / 2**20
+        assert h["optimizer_state_bytes_per_param"] == nbytes / sum(sizes)
 
 
 def test_accounting_unwraps_and_dedupes():

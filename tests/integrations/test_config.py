@@ -135,7 +135,7 @@ def test_cli_rejects_unknown_name_listing_valid_ones(tmp_path, capsys):
             ["--output_dir", str(tmp_path), "--optim", "apexw_8bt"]
         )
     err = capsys.readouterr().err
-    assert "apexw_8bt" in err and "apexw_8bit" in err and "apexw_compact" in err
+    assert "apexw_8bt" in err and "apexw_8bit" in err and "apexw_compact" in err and "apexw_4bit" in err
 
 
 def test_training_args_bin_round_trip_and_lazy_registration(tmp_path):
@@ -154,13 +154,16 @@ def test_training_args_bin_round_trip_and_lazy_registration(tmp_path):
         from transformers import Trainer, TrainingArguments
         cls, kw = Trainer.get_optimizer_cls_and_kwargs(args)
         print("BIN", args.optim.value, cls.__name__, kw["seed"], kw["state_format"])
-        a = TrainingArguments(output_dir="/tmp/apexw_lazy", optim="apexw_compact", report_to=[], use_cpu=True)
-        print("NEW", a.optim.value, Trainer.get_optimizer_cls_and_kwargs(a)[0].__name__)
+        for name in ("apexw_compact", "apexw_4bit"):
+            a = TrainingArguments(output_dir="/tmp/apexw_lazy", optim=name, report_to=[], use_cpu=True)
+            cls, kw = Trainer.get_optimizer_cls_and_kwargs(a)
+            print("NEW", a.optim.value, cls.__name__, kw["state_format"])
         """
     )
     assert proc.returncode == 0, proc.stderr
     assert "BIN apexw_8bit ApexW8bit 9 8bit" in proc.stdout
-    assert "NEW apexw_compact ApexWCompact" in proc.stdout
+    assert "NEW apexw_compact ApexWCompact compact" in proc.stdout
+    assert "NEW apexw_4bit ApexW4bit 4bit" in proc.stdout
 
 
 def test_registration_when_transformers_was_imported_first():
@@ -181,12 +184,14 @@ def test_registration_when_transformers_was_imported_first():
 # ---- bad input ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["apexw_8bt", "apexw", "apexw_compat", "APEXW-8BIT"])
+@pytest.mark.parametrize("bad", ["apexw_8bt", "apexw", "apexw_compat", "APEXW-8BIT", "apexw_4bt", "apexw_int4"])
 def test_unknown_apexw_name_suggests_valid_ones(tmp_path, bad):
     with pytest.raises(ValueError) as info:
         _args(tmp_path, optim=bad)
     msg = str(info.value)
-    assert repr(bad) in msg and "'apexw_8bit'" in msg and "'apexw_compact'" in msg
+    assert repr(bad) in msg and "'apexw_8bit'" in msg and "'apexw_compact'" in msg and "'apexw_4bit'" in msg
+    if bad == "apexw_4bt":
+        assert "Did you mean 'apexw_4bit'?" in msg
 
 
 def test_other_unknown_names_keep_transformers_message(tmp_path):
@@ -204,7 +209,10 @@ def test_other_unknown_names_keep_transformers_message(tmp_path):
         ("engine", r"cannot parse 'engine'; expected 'key=value'"),
         ("engine=torch=1", r"cannot parse 'engine=torch=1'"),
         ("engine=cuda", r"engine='cuda' is not allowed; engine must be one of auto, triton, torch"),
-        ("state_format=4bit", r"state_format must be one of compact, 8bit, fp32"),
+        (
+            "state_format=int4",
+            r"state_format='int4' is not allowed; state_format must be one of compact, 8bit, 4bit, fp32",
+        ),
         ("seed=-1", r"seed must be an int in \[0, 2\*\*32\)"),
         ("seed=abc", r"seed='abc' is not allowed"),
         ("maximize=maybe", r"maximize must be true or false"),
@@ -224,6 +232,7 @@ def test_optim_args_values():
         "param_rounding": "nearest",
     }
     assert parse_optim_args({"state_format": "fp32"}) == {"state_format": "fp32"}
+    assert parse_optim_args("state_format=4BIT", "apexw_8bit") == {"state_format": "4bit"}
     assert parse_optim_args(None) == parse_optim_args("") == {}
     assert set(OPTIM_ARGS) == {"state_format", "seed", "engine", "param_rounding", "maximize"}
 
@@ -248,3 +257,23 @@ def test_deepspeed_config_with_its_own_optimizer_is_refused(tmp_path):
     path.write_text(json.dumps(config))
     with pytest.raises(ValueError, match="Remove the 'optimizer' section"):
         _args(tmp_path, optim="apexw_compact", deepspeed=str(path))
+
+
+def test_every_state_format_is_an_optim_args_value_and_has_a_name():
+    """optim_args accepts each format the optimizer has; each quantized or compact format has an optim name."""
+    from apexw_hf import reference as ref
+    from apexw_hf.integrations.transformers import APEXW_OPTIMIZERS
+
+    assert set(OPTIM_ARGS["state_format"].split("|")) == set(ref.STATE_FORMATS)
+    assert {fmt for _, fmt in APEXW_OPTIMIZERS.values()} == set(ref.STATE_FORMATS) - {"fp32"}
+    for fmt in ref.STATE_FORMATS:
+        assert parse_optim_args(f"state_format={fmt}") == {"state_format": fmt}
+
+
+def test_optim_args_state_format_4bit_reaches_the_optimizer(tmp_path):
+    from apexw_hf import ApexW8bit
+
+    args = _args(tmp_path, optim="apexw_8bit", optim_args="state_format=4bit,engine=torch")
+    cls, kw = get_optimizer_cls_and_kwargs(args)
+    opt = cls([torch.nn.Parameter(torch.zeros(300))], **kw)
+    assert cls is ApexW8bit and opt.defaults["state_format"] == "4bit"

@@ -1,8 +1,9 @@
 """Full fine-tuning of a model kept in bf16 through transformers' Trainer and TRL's SFTTrainer, on the CPU.
 
-What a user of ``optim="apexw_8bit"`` / ``"apexw_compact"`` with ``bf16=True`` relies on: the parameters stay bf16 (no
-stack upcasts them), the optimizer keeps no fp32 copy of them, updates smaller than half a bf16 step still move the
-weights (stochastic rounding), and an fp16 model with ``fp16=True`` is refused with a message saying what to do.
+What a user of ``optim="apexw_8bit"`` / ``"apexw_4bit"`` / ``"apexw_compact"`` with ``bf16=True`` relies on: the
+parameters stay bf16 (no stack upcasts them), the optimizer keeps no fp32 copy of them, updates smaller than half a
+bf16 step still move the weights (stochastic rounding), and an fp16 model with ``fp16=True`` is refused with a message
+saying what to do.
 """
 
 from __future__ import annotations
@@ -12,12 +13,16 @@ import math
 import pytest
 import torch
 
-from apexw_hf import ApexW8bit, ApexWCompact
+from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact
 from apexw_hf.accounting import optimizer_state_bytes, unwrap_optimizer
 
 from .tiny import NAMES, make_model, text_dataset, token_dataset, train_kwargs
 
-EXPECTED = {"apexw_8bit": (ApexW8bit, "8bit"), "apexw_compact": (ApexWCompact, "compact")}
+EXPECTED = {
+    "apexw_8bit": (ApexW8bit, "8bit"),
+    "apexw_compact": (ApexWCompact, "compact"),
+    "apexw_4bit": (ApexW4bit, "4bit"),
+}
 
 
 def _full_model(dtype=torch.bfloat16):
@@ -38,10 +43,12 @@ def _check_no_master_copy(opt, model, fmt):
                 assert not (v.dtype == torch.float32 and v.numel() in sizes), (key, v.dtype, v.shape)
     n = sum(p.numel() for p in params)
     n_blocks = sum(math.ceil(p.numel() / 256) for p in params)
+    n_blocks4 = sum(math.ceil(p.numel() / 128) for p in params)
     per_tensor = 4  # the fp32 step counter
     expected = {
         "compact": 4 * n + per_tensor * len(params),
-        "8bit": 2 * n + 2 * 2 * n_blocks + per_tensor * len(params),  # int8 m + uint8 v, a bf16 scale per block each
+        "8bit": 2 * n + 2 * 2 * n_blocks + per_tensor * len(params),  # uint8 m + uint8 v, a bf16 scale per block each
+        "4bit": n + 2 * 2 * n_blocks4 + per_tensor * len(params),  # one byte for m and v, bf16 scales per 128
     }[fmt]
     assert opt.state_bytes() == expected
 

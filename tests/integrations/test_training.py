@@ -7,12 +7,18 @@ import math
 import pytest
 import torch
 
-from apexw_hf import ApexW8bit, ApexWCompact
+from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact
 from apexw_hf.accounting import optimizer_state_bytes, unwrap_optimizer
 
 from .tiny import NAMES, make_model, text_dataset, token_dataset, train_kwargs
 
-EXPECTED = {"apexw_8bit": (ApexW8bit, "8bit"), "apexw_compact": (ApexWCompact, "compact")}
+EXPECTED = {
+    "apexw_8bit": (ApexW8bit, "8bit"),
+    "apexw_compact": (ApexWCompact, "compact"),
+    "apexw_4bit": (ApexW4bit, "4bit"),
+}
+# upper bounds of state bytes per trainable element (the formats hold 4, ~2.03 and ~1.03), plus 8 per tensor
+BYTES_PER_PARAM = {"compact": 4.5, "8bit": 2.6, "4bit": 1.3}
 
 
 def _trainable(model):
@@ -34,7 +40,7 @@ def _check_run(trainer, name, before):
     n_params = sum(p.numel() for p in after.values())
     state = optimizer_state_bytes(trainer.optimizer)
     assert state == opt.state_bytes()
-    assert state < (4.5 if fmt == "compact" else 2.6) * n_params + 8 * len(after)
+    assert state < BYTES_PER_PARAM[fmt] * n_params + 8 * len(after)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == trainer.args.max_steps and all(math.isfinite(x) for x in losses)
     assert losses[-1] < losses[0]

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("apexw_8bit", "apexw_compact")
+NAMES = ("apexw_8bit", "apexw_compact", "apexw_4bit")
 VOCAB = 64
 SEQ = 16
 

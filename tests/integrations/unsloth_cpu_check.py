@@ -1,7 +1,8 @@
 """Run by test_unsloth.py in a fresh interpreter (Unsloth patches transformers and TRL globally when imported).
 
-Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first} [full_bf16]. Prints one JSON line starting
-with RESULT. ``full_bf16``: instead of the LoRA run, a full fine-tune of the model kept in bf16 through UnslothTrainer.
+Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first} [full_bf16] [optim=NAME]. Prints one JSON line
+starting with RESULT. ``full_bf16``: instead of the LoRA run, a full fine-tune of the model kept in bf16 through
+UnslothTrainer. ``optim``: the ApexW name the run trains with (default ``apexw_8bit``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 out_dir, order = sys.argv[1], sys.argv[2]
-full_bf16 = sys.argv[3:] == ["full_bf16"]
+full_bf16 = "full_bf16" in sys.argv[3:]
+optim = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("optim=")), "apexw_8bit")
 # The import order is what is tested, so it is spelled out with importlib (an import sorter cannot reorder it).
 for module in ("apexw_hf", "unsloth") if order == "apexw_first" else ("unsloth", "apexw_hf"):
     importlib.import_module(module)
@@ -33,16 +35,16 @@ common = {"output_dir": out_dir, "report_to": [], "use_cpu": True}
 # Control: Unsloth's CPU mode is active iff it rewrites bitsandbytes' adamw_8bit.
 result["control"] = str(SFTConfig(**common, optim="adamw_8bit").optim.value)
 result["names"] = {}
-for name in ("apexw_8bit", "apexw_compact"):
+for name in ("apexw_8bit", "apexw_compact", "apexw_4bit"):
     for cls in (TrainingArguments, SFTConfig, UnslothTrainingArguments):
         result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
 
 
 def train(model, **extra):
-    """A 3-step run of ``model`` through Unsloth's trainer with apexw_8bit; returns (trainer, the real optimizer)."""
+    """A 3-step run of ``model`` through Unsloth's trainer with ``optim``; returns (trainer, the real optimizer)."""
     config = UnslothTrainingArguments(
         **common,
-        optim="apexw_8bit",
+        optim=optim,
         optim_args="engine=torch",
         max_steps=3,
         per_device_train_batch_size=4,
@@ -82,4 +84,7 @@ result["optimizer"] = type(opt).__name__
 result["groups"] = sorted((g["lr"], g["weight_decay"], len(g["params"])) for g in opt.param_groups)
 result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 result["state_dtypes"] = sorted({str(v.dtype) for s in opt.state.values() for v in s.values()})
+result["state_keys"] = sorted({k for s in opt.state.values() for k in s})
+result["state_bytes"] = opt.state_bytes()
+result["trained_sizes"] = sorted(p.numel() for p in opt.state)
 print("RESULT " + json.dumps(result))
