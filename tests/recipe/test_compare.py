@@ -92,3 +92,26 @@ def test_plan_alternates_order_and_interleaves_devices():
     assert _plan(grid + ["compare.devices=[0,1]"]) == [
         ("a", 1), ("c", 2), ("b", 1), ("b", 2), ("c", 1), ("a", 2), ("a", 3), ("b", 3), ("c", 3),
     ]  # fmt: skip
+
+
+def test_single_run_with_apexw_4bit_from_the_command_line(tmp_path):
+    """`python -m apexw_hf.recipe.finetune --optim apexw_4bit`: ApexW4bit trains the LoRA adapters, and the result
+    JSON carries its label and its exact state bytes (one byte per element, two bf16 scales per 128, a step each)."""
+    out = tmp_path / "one"
+    cmd = [
+        sys.executable, "-m", "apexw_hf.recipe.finetune", "--config", "offline_default", "--optim", "apexw_4bit",
+        "--lr", "5e-3", "--seed", "0", "--output-dir", str(out),
+        "--set", "train.max_steps=4", "--set", "data.num_samples=24", "--set", "data.validation_samples=8",
+    ]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "result.json").read_text())
+    assert r["status"] == "ok" and r["optimizer"] == "apexw_4bit" and r["optimizer_label"] == "ApexW 4bit"
+    assert r["optimizer_class"].endswith("ApexW4bit") and r["global_steps"] == 4
+    # LoRA r=16 on the offline default's 2 layers (hidden 128, intermediate 352, 2 KV heads of 32): A is (16, in),
+    # B is (out, 16) for q, k, v, o, gate, up, down
+    dims = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 352), (128, 352), (352, 128)]
+    sizes = [n for _ in range(2) for fan_in, fan_out in dims for n in (16 * fan_in, 16 * fan_out)]
+    assert sum(sizes) == r["trainable_params"]
+    assert r["optimizer_state_bytes"] == sum(n + 2 * 2 * -(-n // 128) + 4 for n in sizes)

@@ -68,6 +68,17 @@ def test_overrides_parse_floats_and_lists():
         ({"compare": {"devices": [0.5]}}, ValueError, "distinct CUDA device"),
         ({"compare": {"runs_per_device": 0}}, ValueError, "runs_per_device=0"),
         ({"lora": {"r": 0}}, ValueError, "r=0"),
+        (
+            {"train": {"optim": "apexw_4bt"}},
+            ValueError,
+            r"train.optim: 'apexw_4bt' is not an ApexW optimizer\. Did you mean 'apexw_4bit'\?",
+        ),
+        (
+            {"compare": {"optimizers": ["adamw_torch", "apexw_int4@bf16"]}},
+            ValueError,
+            r"compare.optimizers: 'apexw_int4' .* The ApexW names are: 'apexw_8bit', 'apexw_compact', 'apexw_4bit'",
+        ),
+        ({"compare": {"baseline": "apexw_4"}}, ValueError, "compare.baseline: 'apexw_4' is not an ApexW optimizer"),
     ],
 )
 def test_bad_configs_fail_clearly(raw, exc, match):
@@ -79,3 +90,31 @@ def test_bad_configs_fail_clearly(raw, exc, match):
 def test_missing_config_names_what_exists():
     with pytest.raises(FileNotFoundError, match="offline_default"):
         load_config("no_such_config")
+
+
+def test_4bit_in_yaml_json_and_overrides(tmp_path):
+    """apexw_4bit as train.optim and in compare.optimizers (with a parameter dtype), from YAML, through the runner's
+    resolved JSON and from --set overrides, with its report label."""
+    import json
+
+    import yaml
+
+    from apexw_hf.recipe.config import optimizer_label, split_optimizer_spec
+
+    raw = yaml.safe_load((ROOT / "apexw_hf" / "configs" / "offline_full.yaml").read_text())
+    raw["train"]["optim"] = "apexw_4bit"
+    raw["compare"]["optimizers"] = ["adamw_torch@fp32", "apexw_4bit@bf16", "apexw_4bit@fp32"]
+    raw["compare"]["lr_sweep"] = {"apexw_4bit@bf16": [0.01]}
+    path = tmp_path / "four.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    assert cfg.train.optim == "apexw_4bit" and cfg.compare.optimizers[1:] == ["apexw_4bit@bf16", "apexw_4bit@fp32"]
+    assert cfg.compare.learning_rates_of("apexw_4bit@bf16")[-1] == 0.01
+    resolved = tmp_path / "config.json"
+    resolved.write_text(json.dumps(cfg.to_dict()))
+    assert load_config(resolved).to_dict() == cfg.to_dict()
+    cfg = load_config("offline_default", ["train.optim=apexw_4bit", "compare.optimizers=[adamw_torch, apexw_4bit]"])
+    assert cfg.train.optim == "apexw_4bit" and cfg.compare.optimizers == ["adamw_torch", "apexw_4bit"]
+    assert split_optimizer_spec("apexw_4bit@bf16") == ("apexw_4bit", "bf16")
+    assert optimizer_label("apexw_4bit") == "ApexW 4bit"
+    assert optimizer_label("apexw_4bit@bf16") == "ApexW 4bit, bf16 params"

@@ -129,3 +129,16 @@ def test_single_seed_says_n_too_small():
     cfg = load_config("offline_default", ["compare.learning_rates=[0.005]", "compare.seeds=[0]"])
     md = summarize([_run("adamw_torch", 0.005, 0, 1.0, 1.1, 1.0), _run("apexw_8bit", 0.005, 0, 1.0, 1.1, 0.5)], cfg)
     assert "n too small (n=1 vs 1)" in md and "n too small for any test" in md
+
+
+def test_4bit_rows_are_labelled():
+    cfg = load_config("offline_default", ["compare.learning_rates=[0.005]", "compare.seeds=[0, 1]"])
+    res = [
+        _run(o, 0.005, s, 1.0 + 0.01 * s, 1.1, mib)
+        for s in (0, 1)
+        for o, mib in (("adamw_torch", 1.0), ("apexw_4bit", 0.129))
+    ]
+    md = summarize(res, cfg)
+    row = next(line for line in md.splitlines() if line.startswith("| ApexW 4bit (`apexw_4bit`)"))
+    assert "0.129" in row
+    assert "- `apexw_4bit` vs `adamw_torch`, lr 0.005" in md
