@@ -106,8 +106,9 @@ def check_block_shards(state: dict, p) -> None:
     saved = state.get("block_shards")
     if saved != shard_count(p):
         name, block = _format_name(state), scale_block(state)
+        how = "without sharding (no 'block_shards')" if saved is None else f"for a parameter cut into {saved} shards"
         raise ValueError(
-            f"{name} optimizer state was saved for a parameter cut into {saved} shards, but here it is cut into "
-            f"{shard_count(p)}: its blocks of {block} elements belong to local shards and cannot be resharded. Resume "
-            "with the same number of shards, or save with state_format='compact' or 'fp32', which reshard freely"
+            f"{name} optimizer state was saved {how}, but here the parameter is cut into {shard_count(p)}: its "
+            f"blocks of {block} elements belong to local shards and cannot be resharded. Resume with the same number "
+            "of shards, or save with state_format='compact' or 'fp32', which reshard freely"
         )

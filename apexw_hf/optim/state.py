@@ -106,9 +106,9 @@ def state_format_of(state: dict) -> str | None:
 def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
     """Raise ``ValueError`` unless the moments to convert fit ``p`` (quantized: exactly its layout)."""
     if src in QUANTIZED:
-        check_state(state, p, src)
-        if dt.is_dtensor(p):
+        if dt.is_dtensor(p):  # first: a checkpoint of another shard count also has other scale shapes
             dt.check_block_shards(state, p)
+        check_state(state, p, src)
         return
     for key in MOMENT_KEYS:
         got = state[key]
@@ -184,10 +184,11 @@ def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_i
     if src is None:
         return {}
     if src == fmt:
+        if dt.is_dtensor(p) and fmt in QUANTIZED:
+            dt.check_block_shards(state, p)
         check_state(state, p, fmt)
         out = {k: v.to(p.device) for k, v in state.items() if k in STATE_KEYS}
         if dt.is_dtensor(p) and fmt in QUANTIZED:
-            dt.check_block_shards(state, p)
             out["block_shards"] = state["block_shards"]
         out["step"] = step.clone()
         return out
