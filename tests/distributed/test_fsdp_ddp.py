@@ -9,12 +9,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from apexw_hf import ApexW
+from apexw_hf import reference as ref
+from apexw_hf.optim import dtensor as dt
 
 from . import workers as w
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
-FORMATS = ("fp32", "compact", "8bit")
+FORMATS = ("fp32", "compact", "8bit", "4bit")
 
 
 def _spawn(fn, world, *args):
@@ -37,6 +39,18 @@ def _fsdp_train(rank, world, store, out, fmt):
         for k, v in state.items()
         if k.startswith("exp_avg")
     )
+    # each rank's tensors: codes or moments shaped like its shard, scales padded to the largest shard's block count;
+    # their bytes exactly (the moments' bytes per element, 2 bf16 scales per padded block, an fp32 step per tensor)
+    block = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}.get(fmt)
+    expected_bytes = 0
+    for p in model.parameters():
+        blocks = dt.max_local_blocks(p, block) if block else 0
+        expected_bytes += {"fp32": 8, "compact": 4, "8bit": 2, "4bit": 1}[fmt] * p.to_local().numel() + 4 * blocks + 4
+        for k, v in opt.state[p].items():
+            if k.endswith("_scale"):
+                placements_ok &= tuple(v.to_local().shape) == (blocks,)
+            elif k.startswith("exp_avg"):
+                placements_ok &= tuple(v.to_local().shape) == tuple(p.to_local().shape)
     w.save_result(
         out,
         rank,
@@ -45,6 +59,7 @@ def _fsdp_train(rank, world, store, out, fmt):
             "state_bytes": opt.state_bytes(),
             "placements_ok": placements_ok,
             "params": w.gathered_params(model),
+            "expected_bytes": expected_bytes,
         },
     )
     w.finish()
@@ -57,11 +72,12 @@ def test_fsdp2_trains_on_local_shards(fmt):
         assert r["placements_ok"]
         assert r["losses"][-1] < 0.1 * r["losses"][0]
     n_params = sum(p.numel() for p in w.make_model().parameters())
-    per_param = {"fp32": 8, "compact": 4, "8bit": 2}[fmt]
-    # the ranks hold the moments between them (plus step counters and, for 8bit, block scales), each about half
+    per_param = {"fp32": 8, "compact": 4, "8bit": 2, "4bit": 1}[fmt]
+    # the ranks hold the moments between them (plus step counters and, for 8bit/4bit, block scales), each about half
     total = sum(r["state_bytes"] for r in results)
     assert per_param * n_params <= total <= per_param * n_params * 1.1 + 128
     assert all(r["state_bytes"] < 0.6 * total for r in results)
+    assert all(r["state_bytes"] == r["expected_bytes"] for r in results)
     # every rank ends with the same full parameters
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b)
@@ -114,7 +130,7 @@ def _fsdp_resume(rank, world, store, out, fmt, full):
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_fsdp2_checkpoint_resume_is_exact(fmt, full):
     results = _spawn(_fsdp_resume, 2, fmt, full)
     assert all(r["equal"] for r in results)
@@ -131,7 +147,7 @@ def _ddp_train(rank, world, store, out, fmt):
     w.finish()
 
 
-@pytest.mark.parametrize("fmt", ["8bit"])
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 def test_ddp_replicas_stay_identical(fmt):
     results = _spawn(_ddp_train, 2, fmt)
     assert results[0]["losses"][-1] < 0.2 * results[0]["losses"][0]
@@ -179,7 +195,7 @@ def _load_sharded(rank, world, store, out, fmt, ckpt):
     w.finish()
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_fsdp2_checkpoint_at_another_world_size(fmt, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     saved = _spawn(_save_sharded, 2, fmt, ckpt)[0]
@@ -188,7 +204,7 @@ def test_fsdp2_checkpoint_at_another_world_size(fmt, tmp_path):
         assert "error" not in loaded, loaded.get("error")
         for key, value in saved.items():
             assert torch.equal(loaded["state"][key], value)
-    else:  # 8-bit blocks belong to local shards: a clear error, never silently wrong state
+    else:  # 8-bit and 4-bit blocks belong to local shards: a clear error, never silently wrong state
         assert "error" in loaded
         assert "exp_avg_scale" in loaded["error"] or "shards" in loaded["error"], loaded["error"]
 
@@ -207,7 +223,7 @@ def _fsdp_engines(rank, world, store, out, fmt):
     w.finish()
 
 
-@pytest.mark.parametrize("fmt", ["8bit", "compact"])
+@pytest.mark.parametrize("fmt", ["8bit", "compact", "4bit"])
 def test_fsdp2_triton_engine_matches_torch_path_on_shards(fmt):
     pytest.importorskip("triton")
     results = _spawn(_fsdp_engines, 2, fmt)
@@ -216,23 +232,47 @@ def test_fsdp2_triton_engine_matches_torch_path_on_shards(fmt):
             assert torch.equal(a, b)
 
 
-def _fsdp_convert(rank, world, store, out):
+def _fsdp_convert(rank, world, store, out, src, dst):
     w.init(rank, world, store)
     model = w.sharded(world)
-    opt = ApexW(model.parameters(), lr=3e-3, state_format="compact")
+    opt = ApexW(model.parameters(), lr=3e-3, state_format=src, seed=2)
     w.train(model, opt, w.batches(3, rank, world))
     sd = opt.state_dict()
     for group in sd["param_groups"]:
-        group["state_format"] = "8bit"
-    opt8 = ApexW(model.parameters(), lr=3e-3, state_format="compact")
-    opt8.load_state_dict(sd)  # DTensor compact moments -> DTensor 8-bit state, converted on the local shards
-    state = opt8.state[next(model.parameters())]
-    losses = w.train(model, opt8, w.batches(3, rank, world))
-    w.save_result(out, rank, {"dtype": str(state["exp_avg"].dtype), "block_shards": state["block_shards"],
-                              "finite": all(x == x for x in losses)})  # fmt: skip
+        group["state_format"] = dst
+    converted = []
+    for _ in range(2):
+        other = ApexW(model.parameters(), lr=3e-3, state_format="compact")
+        other.load_state_dict(sd)  # DTensor state of one format -> DTensor state of another, on the local shards
+        converted.append(other)
+    first = next(model.parameters())
+    state = converted[0].state[first]
+    same = all(
+        torch.equal(dt.local(v), dt.local(converted[1].state[p][k]))
+        for p in model.parameters()
+        for k, v in converted[0].state[p].items()
+        if isinstance(v, torch.Tensor)
+    )
+    codes = state["exp_avg_mv" if dst == "4bit" else "exp_avg"]
+    scale = state.get("exp_avg_scale")
+    losses = w.train(model, converted[0], w.batches(3, rank, world))
+    w.save_result(
+        out,
+        rank,
+        {
+            "dtype": str(codes.dtype),
+            "block_shards": state.get("block_shards"),
+            "local_scales": None if scale is None else dt.local(scale).numel(),
+            "expected_scales": dt.max_local_blocks(first, dt.scale_block(state)),
+            "deterministic": same,
+            "finite": all(x == x for x in losses),
+        },
+    )
     w.finish()
 
 
-def test_fsdp2_state_converts_between_formats_on_shards():
-    for r in _spawn(_fsdp_convert, 2):
-        assert r == {"dtype": "torch.uint8", "block_shards": 2, "finite": True}
+@pytest.mark.parametrize("src, dst", [("compact", "8bit"), ("compact", "4bit"), ("4bit", "8bit"), ("8bit", "4bit")])
+def test_fsdp2_state_converts_between_formats_on_shards(src, dst):
+    for r in _spawn(_fsdp_convert, 2, src, dst):
+        assert r["dtype"] == "torch.uint8" and r["block_shards"] == 2 and r["deterministic"] and r["finite"]
+        assert r["local_scales"] == r["expected_scales"]

@@ -49,13 +49,18 @@ def _export_and_continue(rank, world, store, out, fmt):
     w.finish()
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "8bit"])
+@pytest.mark.parametrize("fmt", ["fp32", "8bit", "4bit"])
 def test_fsdp2_export_continues_in_torch_adamw(fmt):
     """Local-shard fp32 moments, DTensor moments in the export, and torch AdamW continuing from them."""
     for r in _spawn(_export_and_continue, 2, fmt):
         assert r["checks"] and all(r["checks"])
         for a, b in zip(r["apexw"], r["torch"]):
             # fp32 state: torch's update and ApexW's agree to fp32 rounding; 8-bit: the same moments, a
-            # different (unquantized) continuation, so only close
-            tol = dict(rtol=1e-5, atol=1e-6) if fmt == "fp32" else dict(rtol=0, atol=5e-3)
-            torch.testing.assert_close(a, b, **tol)
+            # different (unquantized) continuation, so only close; 4-bit: ApexW re-rounds the moments to powers of
+            # two at each of the 3 steps (lr 3e-3), measured up to 0.016 apart, bound 10 lr
+            tol = {
+                "fp32": dict(rtol=1e-5, atol=1e-6),
+                "8bit": dict(rtol=0, atol=5e-3),
+                "4bit": dict(rtol=0, atol=3e-2),
+            }
+            torch.testing.assert_close(a, b, **tol[fmt])

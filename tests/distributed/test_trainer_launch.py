@@ -28,9 +28,12 @@ def _launch(out_dir, fmt, resume=""):
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("fmt", ["8bit"])
+CODES = {"8bit": ("exp_avg", "exp_avg_sq"), "4bit": ("exp_avg_mv",)}  # the uint8 code tensors of each format
+
+
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 def test_ddp_trainer_trains_and_checkpoints(fmt, tmp_path):
-    """Two ranks train through the Trainer; the saved optimizer.pt loads with weights_only and keeps 8-bit dtypes.
+    """Two ranks train through the Trainer; the saved optimizer.pt loads with weights_only and keeps its dtypes.
 
     Resuming under CPU DDP is not tested here: the Trainer's own optimizer loading fails on CPU ranks for every
     optimizer ("don't know how to restore data location ... cpu:0", seen with torch.optim.AdamW too). Single-process
@@ -40,11 +43,12 @@ def test_ddp_trainer_trains_and_checkpoints(fmt, tmp_path):
 
     _launch(tmp_path, fmt)
     full = json.loads((tmp_path / "report.json").read_text())
-    assert full["world"] == 2 and full["state_dtype"] == "torch.uint8"
+    assert full["world"] == 2 and all(full["state_dtypes"][k] == "torch.uint8" for k in CODES[fmt])
     assert full["losses"]["6"] < full["losses"]["1"]
     sd = torch.load(tmp_path / "checkpoint-6" / "optimizer.pt", weights_only=True)
-    assert {v["exp_avg"].dtype for v in sd["state"].values()} == {torch.uint8}
+    assert all({v[k].dtype for v in sd["state"].values()} == {torch.uint8} for k in CODES[fmt])
     assert {v["exp_avg_scale"].dtype for v in sd["state"].values()} == {torch.bfloat16}
+    assert all(("exp_avg_mv" in v) == (fmt == "4bit") for v in sd["state"].values())
 
 
 @pytest.mark.parametrize("name, kind", [("accelerate_ddp.yaml", "MULTI_GPU"), ("accelerate_fsdp2.yaml", "FSDP")])

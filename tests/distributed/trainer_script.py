@@ -34,7 +34,7 @@ def main(out_dir, fmt, resume):
         report = {
             "losses": losses,
             "world": trainer.accelerator.num_processes,
-            "state_dtype": str(next(iter(opt.state.values()))["exp_avg"].dtype),
+            "state_dtypes": {k: str(v.dtype) for k, v in next(iter(opt.state.values())).items()},
         }
         with open(f"{out_dir}/report{'_resumed' if resume else ''}.json", "w") as f:
             json.dump(report, f)
