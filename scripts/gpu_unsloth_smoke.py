@@ -173,7 +173,13 @@ def check(row: dict, lr: float) -> list[str]:
     if row["variant"] == "loraplus" and row["group_lrs"] != [lr, 16 * lr]:
         problems.append(f"LoRA+ groups have learning rates {row['group_lrs']}, expected [{lr}, {16 * lr}]")
     # transformers builds bitsandbytes' AdamW(optim_bits=8) for adamw_8bit
-    want = {"apexw_8bit": "ApexW8bit", "apexw_compact": "ApexWCompact", "adamw_8bit": "AdamW"}[row["optim"]]
+    classes = {
+        "apexw_8bit": "ApexW8bit",
+        "apexw_compact": "ApexWCompact",
+        "apexw_4bit": "ApexW4bit",
+        "adamw_8bit": "AdamW",
+    }
+    want = classes[row["optim"]]
     if row["optimizer"] != want:
         problems.append(f"optimizer is {row['optimizer']}, expected {want}")
     losses = row["losses"]
