@@ -417,3 +417,14 @@ def test_8bit_format_v1_checkpoint_converts_to_4bit():
         v1_sq = ref.dequantize_v_v1(old["exp_avg_sq"], old["exp_avg_sq_scale"])
         got = opt.dequantized_state(p)
         assert _within_one_4bit_code(got["exp_avg"], got["exp_avg_sq"], m1, v1_sq)
+
+
+def test_state_dict_with_an_unknown_format_is_refused():
+    src, _ = _stepped("4bit")
+    sd = src.state_dict()
+    sd["param_groups"][0]["state_format"] = "int4"
+    opt, _ = _stepped("8bit")
+    before = _state_snapshot(opt)
+    with pytest.raises(ValueError, match="unknown state_format 'int4'; allowed: 'fp32', 'compact', '8bit', '4bit'"):
+        opt.load_state_dict(sd)
+    assert _unchanged(opt, before) and opt.param_groups[0]["state_format"] == "8bit"
