@@ -193,6 +193,10 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
             v = [r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == lr]
             cells.append(_ms(v, digits) + (f" (n={len(v)})" if v and len(v) != len(seeds) else ""))
         b = best[o]
+        why = _incomplete(runs, o, seeds)
+        if why:
+            lines.append(f"| {optimizer_label(o)} | " + " | ".join(cells) + f" | {why} | - | - |")
+            continue
         at = {r["seed"]: r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == b["lr"]}
         test = "-" if o == base else paired_cell(at, {s: r["validation_loss"] for s, r in base_best.items()})
         lines.append(
@@ -203,6 +207,18 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
     if from_log_note:
         lines += ["", f"Best lr rule: {BEST_LR_RULE}."]
     return "\n".join(lines) + "\n"
+
+
+def _incomplete(runs: list[dict], opt: str, seeds: list[int]) -> str | None:
+    """Why ``opt``'s learning-rate sweep cannot name a best lr yet (a learning rate it tried has fewer finished seeds
+    than the grid's; the best-lr rule would then pick among the complete ones only, which can be the worse lr), or
+    None when every tried learning rate has every seed."""
+    short = []
+    for lr in sorted({r["learning_rate"] for r in runs if r["optimizer"] == opt}):
+        n = sum(1 for r in runs if r["optimizer"] == opt and r["learning_rate"] == lr)
+        if n < len(seeds):
+            short.append(f"lr {lr:g} has {n} of {len(seeds)} seeds")
+    return "incomplete sweep: " + ", ".join(short) if short else None
 
 
 def _ms(v: list[float], digits: int = 4) -> str:
@@ -243,7 +259,10 @@ def readme_table() -> str:
             ]
             val = _ms(at)
         gval = "-"
-        if spec in h200_best:
+        h200_seeds_all = sorted({x["seed"] for x in h200_runs})
+        if spec in h200_best and _incomplete(h200_runs, spec, h200_seeds_all):
+            gval = "(incomplete sweep)"
+        elif spec in h200_best:
             lr = h200_best[spec]["lr"]
             at = [x["validation_loss"] for x in h200_runs if x["optimizer"] == spec and x["learning_rate"] == lr]
             gval = _ms(at)
