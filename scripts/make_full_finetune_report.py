@@ -193,7 +193,7 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
             v = [r["validation_loss"] for r in runs if r["optimizer"] == o and r["learning_rate"] == lr]
             cells.append(_ms(v, digits) + (f" (n={len(v)})" if v and len(v) != len(seeds) else ""))
         b = best[o]
-        why = _incomplete(runs, o, seeds)
+        why = _incomplete(runs, o)
         if why:
             lines.append(f"| {optimizer_label(o)} | " + " | ".join(cells) + f" | {why} | - | - |")
             continue
@@ -209,15 +209,19 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
     return "\n".join(lines) + "\n"
 
 
-def _incomplete(runs: list[dict], opt: str, seeds: list[int]) -> str | None:
-    """Why ``opt``'s learning-rate sweep cannot name a best lr yet (a learning rate it tried has fewer finished seeds
-    than the grid's; the best-lr rule would then pick among the complete ones only, which can be the worse lr), or
-    None when every tried learning rate has every seed."""
+def _incomplete(runs: list[dict], opt: str) -> str | None:
+    """Why ``opt``'s learning-rate sweep cannot name a best lr yet, or None: a learning rate it tried has fewer
+    finished seeds than most optimizers of the grid have there (the best-lr rule would then choose among the complete
+    learning rates only, which can be the worse one). Extra seeds run for every optimizer at one lr do not count."""
     short = []
     for lr in sorted({r["learning_rate"] for r in runs if r["optimizer"] == opt}):
-        n = sum(1 for r in runs if r["optimizer"] == opt and r["learning_rate"] == lr)
-        if n < len(seeds):
-            short.append(f"lr {lr:g} has {n} of {len(seeds)} seeds")
+        counts = {}
+        for r in runs:
+            if r["learning_rate"] == lr:
+                counts[r["optimizer"]] = counts.get(r["optimizer"], 0) + 1
+        usual = statistics.mode(sorted(counts.values(), reverse=True))
+        if counts[opt] < usual:
+            short.append(f"lr {lr:g} has {counts[opt]} of {usual} seeds")
     return "incomplete sweep: " + ", ".join(short) if short else None
 
 
@@ -259,8 +263,7 @@ def readme_table() -> str:
             ]
             val = _ms(at)
         gval = "-"
-        h200_seeds_all = sorted({x["seed"] for x in h200_runs})
-        if spec in h200_best and _incomplete(h200_runs, spec, h200_seeds_all):
+        if spec in h200_best and _incomplete(h200_runs, spec):
             gval = "(incomplete sweep)"
         elif spec in h200_best:
             lr = h200_best[spec]["lr"]
