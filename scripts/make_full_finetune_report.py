@@ -2,7 +2,8 @@
 
 Every number comes from files under ``docs/results/`` (nothing is typed by hand):
 
-* the H200 memory/speed grid: ``docs/results/full_finetune_h200/speed_*/runs/*/result.json``;
+* the H200 memory/speed grid: ``docs/results/full_finetune_h200/speed_*/runs/*/result.json``, and the longer
+  steps/s runs of the target's cells: ``steady_*``;
 * the H200 quality grid: ``docs/results/full_finetune_h200/quality*/runs/*/result.json`` where a grid finished, else
   the progress lines of its ``compare.log`` (a grid cut short by its device call keeps only those); grids with the
   same set-up as the newest (equal ``model``, ``data`` and ``train`` sections of their ``config.json``, e.g. the cells
@@ -120,6 +121,35 @@ def speed_table() -> str:
         "differences of a few percent as noise. fp32 rows: fp32 master weights with bf16 autocast; bf16 rows: the "
         "model itself in bf16, no fp32 copy.",
     ]
+    return "\n".join(lines) + "\n"
+
+
+def steady_table() -> str:
+    """steps/s of the steps/s target's cells over several seeds of longer runs (``h200_full_finetune.sh steady``)."""
+    folder = _latest("full_finetune_h200/steady_*")
+    if folder is None:
+        return "(no stored H200 steps/s runs)\n"
+    runs = [r for r in _runs(folder) if r.get("status") == "ok"]
+    if not runs:
+        return f"(no finished runs in `{folder.relative_to(ROOT)}`)\n"
+    cfg = _grid(folder)
+    lines = [
+        f"{_env_line(runs, folder)}. Every sample padded to {cfg['data']['pad_to_multiple_of']} tokens, batch "
+        f"{cfg['train']['per_device_train_batch_size']}, gradient checkpointing, {runs[0]['global_steps']} optimizer "
+        "steps per run, one run on the GPU at a time; mean ± sample std over seeds.",
+        "",
+        "| optim | model dtype | seeds | steps/s (whole run) | steps/s (first 10% left out) | optimizer step ms | "
+        "peak allocated GiB |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for spec in _order(folder, {r["optimizer"] for r in runs}):
+        rs = [r for r in runs if r["optimizer"] == spec]
+        name, dtype = spec.split("@")
+        lines.append(
+            f"| `{name}` | {dtype} | {len(rs)} | {_ms([r['steps_per_s'] for r in rs], 2)} | "
+            f"{_ms([r['steps_per_s_steady'] for r in rs], 2)} | {_ms([r['optimizer_step_ms'] for r in rs], 2)} | "
+            f"{_ms([r['peak_gpu_mem_allocated_gib'] for r in rs], 2)} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -294,6 +324,7 @@ def main() -> int:
     sections = {
         ROOT / "docs" / "full_finetune.md": {
             "ff-h200-speed": speed_table(),
+            "ff-h200-steady": steady_table(),
             "ff-h200-quality": quality_table(
                 quality_gpu[0] if quality_gpu else None, BASE_GPU, False, quality_gpu[1:]
             ),
