@@ -89,10 +89,12 @@ def _candidates(with_reference: bool):
         "ApexW fp32": lambda ps: ApexW(ps, state_format="fp32", engine="torch", **HP),
         "ApexWCompact": lambda ps: ApexW(ps, state_format="compact", engine="torch", **HP),
         "ApexW8bit": lambda ps: ApexW(ps, state_format="8bit", engine="torch", **HP),
+        "ApexW4bit": lambda ps: ApexW(ps, state_format="4bit", engine="torch", **HP),
     }
     if with_reference:
         out["ApexWCompact (per-tensor reference)"] = lambda ps: _ReferenceLoop(ps, "compact")
         out["ApexW8bit (per-tensor reference)"] = lambda ps: _ReferenceLoop(ps, "8bit")
+        out["ApexW4bit (per-tensor reference)"] = lambda ps: _ReferenceLoop(ps, "4bit")
     return out
 
 

@@ -8,10 +8,11 @@ for a CPU:
   *chunks* of at most :data:`CHUNK` elements. A piece of a large tensor that fills a chunk is used in place (views of
   the parameter, gradient and state); small tensors and the tails of large ones are packed into one chunk
   (parameters and gradients gathered by one ``torch.cat`` or ``torch._foreach_copy_`` each and the parameters
-  scattered back by one ``torch._foreach_copy_``). A packed chunk keeps the moments (and 8-bit scales) of its whole
-  tensors in buffers of its own, their state dict entries being views of them (as the step counters are views of one
-  buffer), so that state is read and written where it lies; only tails and DTensor shards are copied in and out. In
-  a packed 8-bit chunk every tensor starts at a block boundary and its padding is zero, as in ``reference._blocks``.
+  scattered back by one ``torch._foreach_copy_``). A packed chunk keeps the moments (and 8-bit or 4-bit scales) of
+  its whole tensors in buffers of its own, their state dict entries being views of them (as the step counters are
+  views of one buffer), so that state is read and written where it lies; only tails and DTensor shards are copied in
+  and out. In a packed 8-bit (4-bit) chunk every tensor starts at a block boundary (of 256, 128 elements) and its
+  padding is zero, as in ``reference._blocks``.
   A chunk's scratch (about 50 bytes per element) stays in the CPU caches, so the ~55 elementwise passes of an 8-bit
   step read cache, not memory, and a chunk is large enough that PyTorch's cost per operation (a few microseconds) is
   small beside the work.
@@ -22,17 +23,20 @@ for a CPU:
   one operation each, with a column of per-moment constants.
 * Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
   wrapping multiplies and masked shifts (exact mod 2**32), one word per element for the moments (and, for bf16
-  parameters with 8-bit state, for the parameter: ``reference.param_stream``). The per-tensor keys come from
+  parameters with 8-bit or 4-bit state, for the parameter: ``reference.param_stream``). The per-tensor keys come from
   :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
 * 8-bit state (format version 2) is decoded through fp16, whose bias and subnormals the minifloat codes share, and
   encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.optim.torch_passes` explains both).
-* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit encoding) do not
-  handle NaN; where a chunk's moments hold a NaN (or, for 8-bit, an infinity) the reference's own functions encode
-  that chunk, and a bf16 parameter chunk with a NaN goes through ``reference.round_param`` (same bits, slower; NaN is
-  rare and poisons the run anyway). 8-bit chunks with a block scale outside [2**-126, 2**100] take a few more passes
-  (the reference's clamp). fp16 parameters with stochastic rounding always use ``reference.round_param``.
+  4-bit state is the same without mantissa bits: both codes of a byte decoded through fp16 at once, and encoded into
+  the one byte by the same integer work.
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit and 4-bit
+  encodings) do not handle NaN; where a chunk's moments hold a NaN (or, for 8-bit and 4-bit, an infinity) the
+  reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
+  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 8-bit and 4-bit chunks
+  with a block scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
+  stochastic rounding always use ``reference.round_param``.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
 moves the data. Tensors that are not contiguous (a parameter or a state tensor) are stepped by
@@ -59,21 +63,31 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 from .hparams import step_hparams
+from .state import MV4_KEY, SCALE_KEYS
 from .torch_passes import (
     Scratch,
     bf16_stochastic,
+    block_scales,
+    decode_4bit,
     decode_8bit,
+    encode_4bit,
     encode_8bit,
     full_bits,
     hash_into,
-    scales_8bit,
     sign_and_abs,
     sqrt_into,
 )
 
 CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 13 MiB of scratch in all
-_BLOCK = ref.BLOCK
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
+_STATE_KEYS = ("exp_avg", "exp_avg_sq", MV4_KEY, *SCALE_KEYS)  # every state tensor of any format
+_BLOCKS = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}  # elements per scale of the quantized formats
+
+
+def _moment_keys(fmt: str) -> tuple[str, ...]:
+    """The state keys of a format's moments (4-bit: both in one tensor)."""
+    return (MV4_KEY,) if fmt == "4bit" else ("exp_avg", "exp_avg_sq")
+
+
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
@@ -86,22 +100,23 @@ class _Chunk:
         self.segs = segs
         self.length = length
         self.direct = direct
-        self.pads = pads  # (offset, count) of 8-bit padding in a packed chunk
+        self.pads = pads  # (offset, count) of block padding (8-bit, 4-bit) in a packed chunk
         self.io = None  # persistent views (see _Layout._bind)
         self.flat = None  # a packed chunk's own moment buffers (see _Layout._flatten)
 
 
-def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
-    """Cut tensors of ``numels`` elements into chunks; full-chunk pieces in place, the rest packed in order."""
+def _plan_chunks(numels: list[int], block: int | None) -> list[_Chunk]:
+    """Cut tensors of ``numels`` elements into chunks; full-chunk pieces in place, the rest packed in order (each
+    piece at a multiple of ``block``, when given)."""
     chunks, segs, fill = [], [], 0
 
     def close():
         nonlocal segs, fill
         if segs:
             pads = []
-            if blocked:
+            if block:
                 for _, _, n, off, _ in segs:
-                    end = -(-n // _BLOCK) * _BLOCK
+                    end = -(-n // block) * block
                     if end > n:
                         pads.append((off + n, end - n))
             chunks.append(_Chunk(segs, fill, False, pads))
@@ -114,7 +129,7 @@ def _plan_chunks(numels: list[int], blocked: bool) -> list[_Chunk]:
             start += CHUNK
         rest = n - start
         if rest:
-            span = -(-rest // _BLOCK) * _BLOCK if blocked else rest
+            span = -(-rest // block) * block if block else rest
             if fill + span > CHUNK:
                 close()
             segs.append((slot, start, rest, fill, start == 0))
@@ -129,6 +144,7 @@ class _Layout:
     def __init__(self, opt, group, members, states, scratch: Scratch):
         self.members = members
         self.fmt = group["state_format"]
+        self.block = _BLOCKS.get(self.fmt)  # None for unquantized moments
         self.dtype = members[0].dtype
         self.local_states = [dt.local_view(s, p) if dt.is_dtensor(p) else s for p, s in zip(members, states)]
         self.fast, self.slow = [], []
@@ -139,40 +155,42 @@ class _Layout:
         self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
         self.locals = [dt.local(members[i]) for i in self.fast]
         self.shapes = [p.shape for p in self.locals]
-        self.chunks = _plan_chunks([p.numel() for p in self.locals], self.fmt == "8bit")
+        self.chunks = _plan_chunks([p.numel() for p in self.locals], self.block)
         for ch in self.chunks:
             if not ch.direct:
                 ch.flat = self._flatten(ch)
             ch.io = self._bind(ch, scratch)
 
     def _flatten(self, ch: _Chunk):
-        """A packed chunk's own moment buffers: both moments side by side (and for 8-bit both moments' block scales
-        side by side), zero where nothing lies (8-bit padding). The state of each whole tensor of the chunk (not a
+        """A packed chunk's own moment buffers: both moments side by side (4-bit: the one tensor of both moments'
+        codes), and for 8-bit and 4-bit both moments' block scales side by side, zero where nothing lies (block
+        padding). The state of each whole tensor of the chunk (not a
         DTensor) moves into them, its state dict entries becoming views (values kept; still plain tensors for
         ``state_dict``), so the chunk reads and writes that state where it lies instead of gathering and scattering
         it; tails of large tensors and DTensor shards are still copied in and out.
 
         Returns ``(moments, scales or None, indices of the segments that live there)``.
         """
-        n, fmt = ch.length, self.fmt
+        n, fmt, blk = ch.length, self.fmt, self.block
         dev = self.locals[0].device
-        mdtype = {"fp32": torch.float32, "compact": torch.bfloat16, "8bit": torch.uint8}[fmt]
-        mom = torch.zeros(2 * n, dtype=mdtype, device=dev)
-        nb = n // _BLOCK
-        scl = torch.zeros(2 * nb, dtype=torch.bfloat16, device=dev) if fmt == "8bit" else None
+        mdtype = {"fp32": torch.float32, "compact": torch.bfloat16, "8bit": torch.uint8, "4bit": torch.uint8}[fmt]
+        keys = _moment_keys(fmt)
+        mom = torch.zeros(len(keys) * n, dtype=mdtype, device=dev)
+        nb = n // blk if blk else 0
+        scl = torch.zeros(2 * nb, dtype=torch.bfloat16, device=dev) if blk else None
         moved = set()
         for j, (slot, _, k, o, whole) in enumerate(ch.segs):
             i = self.fast[slot]
             if not whole or dt.is_dtensor(self.members[i]):
                 continue
             state = self.local_states[i]  # the state dict itself
-            for key, at in zip(_STATE_KEYS[:2], (o, n + o)):
+            for key, at in zip(keys, (o, n + o)):
                 view = mom[at : at + k].view(state[key].shape)
                 view.copy_(state[key])
                 state[key] = view
             if scl is not None:
-                kb = -(-k // _BLOCK)
-                for key, at in zip(_STATE_KEYS[2:], (o // _BLOCK, nb + o // _BLOCK)):
+                kb = -(-k // blk)
+                for key, at in zip(SCALE_KEYS, (o // blk, nb + o // blk)):
                     view = scl[at : at + kb]
                     view.copy_(state[key])
                     state[key] = view
@@ -182,25 +200,22 @@ class _Layout:
     def _bind(self, ch: _Chunk, scratch: Scratch) -> dict:
         """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
         packed chunk, flat views for an in-place chunk."""
-        fmt = self.fmt
-        b = scratch.upto(ch.length)
+        fmt, blk = self.fmt, self.block
+        b = scratch.upto(ch.length, blk or ref.BLOCK)
         st = [self.local_states[i] for i in self.fast]
         io = {}
 
         def piece(t, seg, scale=False):
             slot, a, k, _, whole = seg
             if scale:
-                return t if whole else t[a // _BLOCK : -(-(a + k) // _BLOCK)]
+                return t if whole else t[a // blk : -(-(a + k) // blk)]
             return t if whole else t.view(-1)[a : a + k]
 
-        def slices(buf, scale=False):
+        def slices(buf):
             out = []
             for seg in ch.segs:
                 slot, a, k, o, whole = seg
-                if scale:
-                    out.append(buf[o // _BLOCK : o // _BLOCK + -(-k // _BLOCK)])
-                else:
-                    out.append(buf[o : o + k].view(self.shapes[slot]) if whole else buf[o : o + k])
+                out.append(buf[o : o + k].view(self.shapes[slot]) if whole else buf[o : o + k])
             return out
 
         p_kind = "p" if self.dtype == torch.float32 else "p_store"
@@ -219,7 +234,7 @@ class _Layout:
         pad_at = dict(ch.pads)
 
         def cat_list(pieces, dtype):
-            """Flat pieces with zeros for the 8-bit padding (a same-dtype gather is one torch.cat, cheaper per
+            """Flat pieces with zeros for the block padding (a same-dtype gather is one torch.cat, cheaper per
             tensor than _foreach_copy_, which converts dtypes (bf16 parameters, compact moments) and does the
             gradients)."""
             out = []
@@ -239,18 +254,18 @@ class _Layout:
         # moments: the chunk's own buffers (_flatten); copied in and out only for segments that do not live there
         mom, scl, moved = ch.flat
         rest = [seg for j, seg in enumerate(ch.segs) if j not in moved]
-        n, nb = ch.length, ch.length // _BLOCK
+        n, nb = ch.length, ch.length // blk if blk else 0
         dst, src = [], []
-        for key, at in zip(_STATE_KEYS[:2], (0, n)):
+        for key, at in zip(_moment_keys(fmt), (0, n)):
             for seg in rest:
                 slot, a, k, o, whole = seg
                 dst.append(mom[at + o : at + o + k])
                 src.append(piece(st[slot][key], seg).reshape(-1))
-        if fmt == "8bit":
-            for key, at in zip(_STATE_KEYS[2:], (0, nb)):
+        if blk:
+            for key, at in zip(SCALE_KEYS, (0, nb)):
                 for seg in rest:
                     slot, a, k, o, whole = seg
-                    dst.append(scl[at + o // _BLOCK : at + o // _BLOCK + -(-k // _BLOCK)])
+                    dst.append(scl[at + o // blk : at + o // blk + -(-k // blk)])
                     src.append(piece(st[slot][key], seg, scale=True))
             io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
         io["moments_in"], io["moments_out"] = (dst, src), (src, dst)
@@ -416,10 +431,11 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
     fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
     n = ch.length
-    b = sc.upto(n)
+    b = sc.upto(n, layout.block or ref.BLOCK)
     G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
     MV = b.mv  # m and v side by side (2n), or None
     codes2 = scales2 = None  # both moments' 8-bit codes (scales) side by side, where they are
+    four = fmt == "4bit"
     # ---- gather ---------------------------------------------------------------------------------------------
     if ch.direct:
         slot, a, _, _, _ = ch.segs[0]
@@ -432,7 +448,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             P = io["p"]
         else:
             P.copy_(io["p"])
-        m_state, v_state = io["exp_avg"], io["exp_avg_sq"]
+        m_state, v_state = (io[MV4_KEY], None) if four else (io["exp_avg"], io["exp_avg_sq"])
         if fmt == "fp32":
             M, V, MV = m_state, v_state, None
         elif fmt == "compact":
@@ -452,15 +468,18 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             torch._foreach_zero_(io["pads_in"])
         if io["moments_in"][0]:
             torch._foreach_copy_(*io["moments_in"])
-        m_state, v_state = io["mom_m"], io["mom_v"]
+        m_state, v_state = (io["mom"], None) if four else (io["mom_m"], io["mom_v"])
         if fmt == "fp32":
             M, V, MV = m_state, v_state, io["mom"]
         elif fmt == "compact":
             b.mv.copy_(io["mom"])
         else:
-            m_scale, v_scale, codes2, scales2 = io["scl_m"], io["scl_v"], io["mom"], io["scl"]
+            m_scale, v_scale, scales2 = io["scl_m"], io["scl_v"], io["scl"]
+            codes2 = None if four else io["mom"]
     if fmt == "8bit":
         decode_8bit(b, c, m_state, v_state, m_scale, v_scale, scales2)  # into b.m and b.v
+    elif four:
+        decode_4bit(b, c, m_state, m_scale, v_scale, scales2)  # m_state: both moments' codes
     v_np = b.np["v"] if b.cpu and V is b.v else None
     # ---- the update, in the reference's operation order -------------------------------------------------------
     g_coef = neg_one_minus_beta1 if maximize else one_minus_beta1
@@ -494,7 +513,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
         hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=fmt == "compact" or p_out is not None)
-    if p_out is not None and stochastic_p:  # bf16 with 8-bit state: the top 16 bits of the moments' word
+    if p_out is not None and stochastic_p:  # bf16 with 8-bit or 4-bit state: the top 16 bits of the moments' word
         _round_param(P, dtype, b, c, p_out)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
@@ -506,17 +525,23 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         else:
             bf16_stochastic(M, b.t, b.t, c, m_state)
             bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, c, v_state)
-    elif fmt == "8bit":
+    elif fmt in _BLOCKS:
         sign_and_abs(b, c)
-        path = scales_8bit(b, c, m_scale, v_scale, scales2)
+        path = block_scales(b, c, m_scale, v_scale, scales2, four_bit=four)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
             bits = full_bits(b)
             m = torch.where(b.a > 0, -M, M)
-            todo = ((m, m_state, m_scale, ref.quantize_m), (V, v_state, v_scale, ref.quantize_v))
-            for x, codes, scale, quantize in todo:
-                qc, qs = quantize(x, bits)
-                codes.copy_(qc)
-                scale.copy_(qs)
+            if four:
+                for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, bits)):
+                    dst.copy_(x)
+            else:
+                todo = ((m, m_state, m_scale, ref.quantize_m), (V, v_state, v_scale, ref.quantize_v))
+                for x, codes, scale, quantize in todo:
+                    qc, qs = quantize(x, bits)
+                    codes.copy_(qc)
+                    scale.copy_(qs)
+        elif four:
+            encode_4bit(b, c, m_state, path == "exact")
         else:
             encode_8bit(b, c, m_state, v_state, path == "exact", codes2)
     if not ch.direct and io["moments_out"][0]:

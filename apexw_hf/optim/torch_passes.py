@@ -22,6 +22,16 @@ step first (:func:`encode_8bit`, ``exact=True``), and chunks with a NaN or an in
 
 The sign of ``m`` (bit 7 of its code: ``m < 0``, so not for ``-0``) comes from ``lt(m, 0)`` written as fp32 1.0/0.0:
 the int32 bits of 1.0 times 16 are ``-2**27`` mod ``2**32``, which adds 128 (mod 256) to the code once shifted.
+
+4-bit state (``reference.quantize_mv4``) is the same encoding without mantissa bits, with blocks of
+:data:`~apexw_hf.reference.BLOCK4`: ``code = ((bits(w * 2**k) + offset) >> 23) - (127 - bias + k)`` per moment, with
+``k = -8`` for ``m`` (bias 7) and ``k = -7`` for ``v`` (bias 15), so that the byte ``m code + 16 * v code`` has the
+offset ``112 + 16 * 105 = 7 * 256``, which vanishes in the uint8 store; the sign of ``m`` (bit 3) is the bits of 1.0
+times -8, which adds 8 (mod 256) once shifted. The fast range of scales is the 8-bit one (``inv * 2**k`` is exact
+there for both ``k``). Decoding goes through fp16 as for 8-bit: the ``v`` code is an fp16 exponent of bias 15 (code 0
+the fp16 zero), and so is the ``m`` code, read as ``2**(c - 15)`` and multiplied by ``2**8 * scale`` (exact, as
+``2**(c - 7) * scale`` in the reference) unless a block scale reaches ``2**120``, where ``2**8 * scale`` would overflow
+and the codes are scaled by ``2**8`` instead.
 """
 
 from __future__ import annotations
@@ -47,6 +57,16 @@ V_RAND_UP = V_SHIFT - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 9: bits 0-9 to 9-18
 V_RAND_MASK = ((1 << ref.V_RAND_BITS) - 1) << (V_SHIFT - ref.V_RAND_BITS)
 V_RAND_HALF = 1 << (V_SHIFT - ref.V_RAND_BITS - 1)
 assert M_RAND_UP == 4 and V_RAND_UP == 9 and ((112 + M_K) * 8) % 256 == 0 and ((112 + V_K) * 16) % 256 == 0
+# 4-bit: no mantissa bits, so the code is what the random offset carries into bit 23 (module docstring)
+M4_K, V4_K = -8, -7
+M4_OFFSET, V4_OFFSET = 127 - ref.M4_BIAS + M4_K, 127 - ref.BIAS + V4_K  # 112, 105: exponent field of code 0
+M4_RAND_UP = 23 - ref.M_RAND_BITS - ref.M_RAND_SHIFT  # 7: bits 10-15 to 17-22
+V4_RAND_UP = 23 - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 13: bits 0-9 to 13-22
+M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V_RAND_BITS) - 1) << 13
+M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 12
+M4_SIGN_ALPHA = -8  # 127 * -8 = 8 (mod 256): the bits of 1.0 times this set the sign bit of the m code
+M4_DECODE_SCALE_MAX = 2.0**120  # below this, 2**8 * scale is finite (and exact)
+assert (M4_OFFSET + 16 * V4_OFFSET) % 256 == 0 and (127 * M4_SIGN_ALPHA) % 256 == ref.M4_SIGN
 
 
 class Consts:
@@ -78,21 +98,35 @@ class Consts:
         # 8-bit decoding: fp16 bits of the codes (m: sign-extended, bit 7 to 15; v: zero-extended)
         self.dec_shift_col = col([7, 6], torch.int16)
         self.dec_mask_col = col([~0x4000, -1], torch.int16)
+        # 4-bit encoding, per moment (as above); the exponent field of v code 0, and v code 1's value times 2**k
+        self.k4_col = col([2.0**M4_K, 2.0**V4_K], torch.float32)
+        self.add4_col = col([2.0 ** (M4_K - ref.M4_BIAS), 2.0 ** (V4_K - ref.BIAS)], torch.float32)
+        self.up4_col = col([M4_RAND_UP, V4_RAND_UP], torch.int32)
+        self.mask4_col = col([M4_RAND_MASK, V4_RAND_MASK], torch.int32)
+        self.half4_col = col([M4_RAND_HALF, V4_RAND_HALF], torch.int32)
+        self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
+        # 4-bit decoding: the byte in both rows, m's nibble to bits 12-15 and v's to 12-15, then an arithmetic shift
+        # by 2 puts each code in the fp16 exponent (m's sign also lands on bits 13-15: kept in 15, cleared in 13-14)
+        self.dec4_shift_col = col([12, 8], torch.int16)
+        self.s2_16 = torch.tensor(2, dtype=torch.int16, device=device)
+        self.dec4_mask_col = col([0x9C00 - (1 << 16), 0x3C00], torch.int16)  # int16 bits 0x9C00
+        self.f256 = f(256.0)
 
 
 class Buffers:
-    """Views of the scratch for a chunk of ``n`` elements (cached per ``n``), NumPy views where a root is taken.
+    """Views of the scratch for a chunk of ``n`` elements in blocks of ``block`` (cached per ``(n, block)``), NumPy
+    views where a root is taken.
 
-    ``m`` and ``v`` are adjacent (``mv``, shape (2, n) as ``mv2``), and so is every 8-bit buffer of the two moments
-    (block maxima, scales, random offsets): their 8-bit work is one operation over both, with a column of per-moment
-    constants where they differ.
+    ``m`` and ``v`` are adjacent (``mv``, shape (2, n) as ``mv2``), and so is every 8-bit (4-bit) buffer of the two
+    moments (block maxima, scales, random offsets): their quantization work is one operation over both, with a column
+    of per-moment constants where they differ.
     """
 
     F32 = ("g", "a", "p")
     I32 = ("h", "t", "z")
 
-    def __init__(self, scratch, n):
-        self.n = n
+    def __init__(self, scratch, n, block=_BLOCK):
+        self.n, self.block = n, block
         self.cpu = scratch.device.type == "cpu"
         self._scratch = scratch
         self._typed = {}
@@ -111,11 +145,11 @@ class Buffers:
         self.r2, self.rm, self.rv = self.r.view(2, n), self.r[:n], self.r[n:]
         if self.cpu:
             self.np = {"v": self.v.numpy(), "a": self.a.numpy()}
-        nb = -(-n // _BLOCK)
+        nb = -(-n // block)
         self.blocks = nb
-        if n % _BLOCK == 0:
-            self.mv_b = self.mv.view(2 * nb, _BLOCK)
-            self.base_b, self.h_b = self.base.view(nb, _BLOCK), self.h.view(nb, _BLOCK)
+        if n % block == 0:
+            self.mv_b = self.mv.view(2 * nb, block)
+            self.base_b, self.h_b = self.base.view(nb, block), self.h.view(nb, block)
         self.x16 = scratch.x16[: 2 * n]
         self.x16_2, self.x16_f16 = self.x16.view(2, n), self.x16.view(torch.float16)
         self.x16_m, self.x16_v = self.x16[:n], self.x16[n:]
@@ -140,12 +174,11 @@ class Buffers:
         """Blocks per piece of a packed chunk whose pieces start at these offsets, or None unless every piece
         starts at a block (an int64 tensor, cached)."""
         if offsets not in self._counts:
-            ok = self.n % _BLOCK == 0 and all(o % _BLOCK == 0 for o in offsets)
+            blk = self.block
+            ok = self.n % blk == 0 and all(o % blk == 0 for o in offsets)
             ends = offsets[1:] + (self.n,)
             self._counts[offsets] = (
-                torch.tensor([(e - o) // _BLOCK for o, e in zip(offsets, ends)], device=self.base.device)
-                if ok
-                else None
+                torch.tensor([(e - o) // blk for o, e in zip(offsets, ends)], device=self.base.device) if ok else None
             )
         return self._counts[offsets]
 
@@ -172,7 +205,7 @@ class Scratch:
             setattr(self, name, e(size, torch.int32))
         self.mv, self.u, self.r = e(2 * size, torch.float32), e(2 * size, torch.float32), e(2 * size, torch.int32)
         self.x16, self.nz = e(2 * size, torch.int16), e(size, torch.uint8)
-        nb = -(-size // _BLOCK)
+        nb = -(-size // min(_BLOCK, ref.BLOCK4))  # per-block buffers for the smaller block
         self.amax, self.s_i, self.scale16 = e(2 * nb, torch.float32), e(2 * nb, torch.int32), e(2 * nb, torch.int16)
         self.inv, self.fac, self.sdec = e(2 * nb, torch.float32), e(2 * nb, torch.float32), e(2 * nb, torch.float32)
         self.zero_blocks = e(2 * nb, torch.bool)
@@ -188,10 +221,10 @@ class Scratch:
             buf = self._typed[(name, dtype)] = torch.empty(self.size, dtype=dtype, device=self.device)
         return buf
 
-    def upto(self, n: int) -> Buffers:
-        b = self._views.get(n)
+    def upto(self, n: int, block: int = _BLOCK) -> Buffers:
+        b = self._views.get((n, block))
         if b is None:
-            b = self._views[n] = Buffers(self, n)
+            b = self._views[(n, block)] = Buffers(self, n, block)
         return b
 
 
@@ -296,10 +329,10 @@ def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scale
     b.mv_b.mul_(b.sdec_col)
 
 
-def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None) -> str:
-    """Block scales of both moments (from ``b.m = |m|`` and ``b.v``) into the bf16 tensors ``m_scale_out`` and
-    ``v_scale_out`` (or ``scales2``, both side by side), ``1 / scale`` into ``b.inv`` and the normalizing factors into
-    ``b.fac``.
+def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, *, four_bit: bool = False) -> str:
+    """Block scales of both moments (from ``b.m = |m|`` and ``b.v``, in blocks of ``b.block``) into the bf16 tensors
+    ``m_scale_out`` and ``v_scale_out`` (or ``scales2``, both side by side), ``1 / scale`` into ``b.inv`` and the
+    normalizing factors of the 8-bit (``four_bit``: 4-bit) encoding into ``b.fac``.
 
     Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
     ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
@@ -321,7 +354,7 @@ def scales_8bit(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None) -
     b.inv.masked_fill_(b.zero_blocks, 0.0)  # 1/s may still be inf for a tiny s, as in the reference
     fast = hi <= FAST_SCALE_MAX and float(b.inv.max()) <= 1.0 / FAST_SCALE_MIN
     if fast:
-        torch.mul(b.inv2, c.k_col, out=b.fac2)
+        torch.mul(b.inv2, c.k4_col if four_bit else c.k_col, out=b.fac2)
     return "fast" if fast else "exact"
 
 
@@ -332,7 +365,7 @@ def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool, co
     ``b.u``, ``b.r``, ``b.t``.
 
     ``exact``: the reference's clamp and NaN step first (any finite scale). ``codes2``: both moments' codes side by
-    side, when they are (a packed chunk).
+    side, when they are (a packed chunk). The factors come from :func:`block_scales`.
     """
     some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
     if some_zero:
@@ -367,3 +400,62 @@ def sign_and_abs(b: Buffers, c: Consts) -> None:
     """``b.a`` = 1.0 where ``b.m < 0`` (not -0), 0.0 elsewhere; then ``b.m`` = ``|b.m|``."""
     torch.lt(b.m, c.zero, out=b.a)
     b.m.abs_()
+
+
+# ---- 4-bit state ------------------------------------------------------------------------------------------------
+
+
+def decode_4bit(b: Buffers, c: Consts, codes, m_scale, v_scale, scales2=None) -> None:
+    """``reference.dequantize_mv4`` into ``b.m`` and ``b.v`` (whole blocks of ``b.block``).
+
+    Both codes of a byte become fp16 bit patterns with the code as exponent (``m``'s sign in bit 15): ``2**(c - 15)``
+    and zero for code 0, exactly the ``v`` value and ``2**-8`` times the ``m`` value, so the ``m`` scales are taken
+    times ``2**8`` (module docstring). ``scales2``: both moments' scales side by side, when they are (a packed chunk).
+    """
+    if scales2 is not None:
+        b.sdec.copy_(scales2)
+    else:
+        b.sdec_mv[0].copy_(m_scale)
+        b.sdec_mv[1].copy_(v_scale)
+    b.x16_2.copy_(codes.view(1, -1))  # the byte in both rows, zero-extended
+    b.x16_2.bitwise_left_shift_(c.dec4_shift_col)
+    b.x16.bitwise_right_shift_(c.s2_16)
+    b.x16_2.bitwise_and_(c.dec4_mask_col)
+    b.mv.copy_(b.x16_f16)
+    if float(b.sdec_mv[0].max()) < M4_DECODE_SCALE_MAX:  # NaN: not taken
+        b.sdec_mv[0].mul_(c.f256)
+    else:
+        b.m.mul_(c.f256)
+    b.mv_b.mul_(b.sdec_col)
+
+
+def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
+    """``reference.quantize_mv4`` codes of ``b.m`` and ``b.v`` (``b.m`` holding ``|m|`` and ``b.a`` the sign of m,
+    1.0 where ``m < 0``) into the uint8 tensor ``codes_out``, with the factors of :func:`block_scales` (``four_bit``)
+    and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``, ``b.u``, ``b.r``, ``b.t``.
+
+    ``exact``: the reference's clamp and NaN step first (any finite scale).
+    """
+    some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
+    if some_zero:
+        torch.clamp(b.v.view(torch.int32), max=c.i_one, out=b.t).add_(c.v4_zero)  # the least v code field
+    if exact:
+        b.mv_b.mul_(b.inv[:, None]).clamp_(max=c.one).nan_to_num_(nan=0.0)  # reference._normalized: y in [0, 1]
+        b.mv2.mul_(c.k4_col)
+    else:
+        b.mv_b.mul_(b.fac_col)  # y * 2**k
+    if some_zero:  # as for 8-bit: max(y, fl(y + min normal) / 2) * 2**k
+        torch.add(c.add4_col, b.mv2, alpha=0.5, out=b.u2)
+        torch.maximum(b.mv, b.u, out=b.mv)
+    else:  # v: a nonzero v below the least code gets the least code, and so does max(y, 2**-14) * 2**k
+        torch.add(c.add4_col[0], b.m, alpha=0.5, out=b.u_m)
+        torch.maximum(b.m, b.u_m, out=b.m)
+        b.v.clamp_(min=c.v4_least)
+    torch.bitwise_left_shift(b.z, c.up4_col, out=b.r2).bitwise_and_(c.mask4_col).add_(c.half4_col)
+    b.r.add_(b.mv_i)
+    b.rm.add_(b.a_i, alpha=M4_SIGN_ALPHA)
+    b.r.bitwise_right_shift_(c.s23)  # the codes' exponent fields (m's plus 8 where m < 0, mod 256)
+    if some_zero:
+        torch.maximum(b.rv, b.t, out=b.rv)
+    b.rm.add_(b.rv, alpha=16)
+    codes_out.copy_(b.rm)  # the low 8 bits: the offsets are a multiple of 256

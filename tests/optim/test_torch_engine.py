@@ -4,19 +4,24 @@ The oracle steps a twin optimizer tensor by tensor with the reference (what ``Ap
 engine). Parameters and every state tensor are compared bit for bit; where NaN is expected, NaN positions must agree
 and the sign and payload bits of NaN are not compared (IEEE leaves them to the hardware). Most tests shrink the
 engine's chunk to 4096 elements, so that small shapes exercise every layout: tensors used in place, split across
-chunks, packed several to a chunk, and packed with 8-bit padding.
+chunks, packed several to a chunk, and packed with 8-bit (4-bit) block padding.
 """
 
 import io
+import os
+import tempfile
 
 import pytest
 import torch
 
 from apexw_hf import ApexW, reference
+from apexw_hf.optim import dtensor as dt
 from apexw_hf.optim import torch_engine, torch_passes
 
 from .helpers import FORMATS, SHAPES, same_bits
 
+FORMATS = tuple(dict.fromkeys((*FORMATS, "4bit")))
+QUANTIZED = ("8bit", "4bit")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -185,14 +190,15 @@ def test_groups_missing_grads_and_unequal_steps(small_chunks, fmt):
     assert pa[5] not in opt_a.state
 
 
-def test_mixed_param_and_grad_dtypes(small_chunks):
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_mixed_param_and_grad_dtypes(small_chunks, fmt):
     values, grads = _random([(300,), (5000,), (17,), (257,)], steps=3, seed=4)
     pa = [torch.nn.Parameter(v.clone().to(d)) for v, d in zip(values, DTYPES + [torch.bfloat16])]
     pb = [torch.nn.Parameter(p.detach().clone()) for p in pa]
     for p in pa + pb:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None  # torch >= 2.10 checks grad dtype against the param's unless told otherwise
-    opt_a, opt_b = (ApexW(ps, state_format="8bit", engine="torch", seed=9) for ps in (pa, pb))
+    opt_a, opt_b = (ApexW(ps, state_format=fmt, engine="torch", seed=9) for ps in (pa, pb))
     for step, row in enumerate(grads):
         for x, y, g in zip(pa, pb, row):
             dtype = torch.bfloat16 if step == 1 else torch.float32  # fp32 grads of bf16 params, and the reverse
@@ -246,10 +252,11 @@ def test_resume_matches_unbroken_reference(small_chunks, fmt, dtype):
     assert_same(opt_r, resumed, opt_b, pb)
 
 
-def test_load_state_dict_replaces_the_cached_plan(small_chunks):
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_load_state_dict_replaces_the_cached_plan(small_chunks, fmt):
     """A loaded state must be the one stepped (the engine caches views of the state tensors)."""
     values, grads = _random([(5000,), (300,)], steps=4, seed=8)
-    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format="8bit")
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt)
     _run(opt_a, pa, opt_b, pb, grads[:2])
     opt_a.load_state_dict(_roundtrip(opt_b.state_dict()))  # the same values in new tensors
     _run(opt_a, pa, opt_b, pb, grads[2:])
@@ -263,14 +270,16 @@ def test_state_edits_between_steps_are_honored(small_chunks, fmt):
     values, grads = _random([(300,), (17, 33), (5000,), (9,)], steps=4, seed=13)
     opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt, lr=1e-2, seed=2)
     _run(opt_a, pa, opt_b, pb, grads[:2])
-    storages = {opt_a.state[p]["exp_avg"].untyped_storage().data_ptr() for p in (pa[0], pa[1], pa[3])}
+    # 4-bit: both moments' codes in one tensor; its v scales and m scales stand for "v only" and "m only"
+    m_key, v_key = ("exp_avg_mv", "exp_avg_sq_scale") if fmt == "4bit" else ("exp_avg", "exp_avg_sq")
+    storages = {opt_a.state[p][m_key].untyped_storage().data_ptr() for p in (pa[0], pa[1], pa[3])}
     assert len(storages) == 1  # the small tensors' moments live in one chunk buffer
     for opt, ps in ((opt_a, pa), (opt_b, pb)):
-        opt.state[ps[0]]["exp_avg_sq"].zero_()  # in place
-        opt.state[ps[3]]["exp_avg_sq"] = opt.state[ps[3]]["exp_avg_sq"].flip(0).clone()  # replaced, v only
+        opt.state[ps[0]][v_key].zero_()  # in place
+        opt.state[ps[3]][v_key] = opt.state[ps[3]][v_key].flip(0).clone()  # replaced, v only
     _run(opt_a, pa, opt_b, pb, grads[2:3])
     for opt, ps in ((opt_a, pa), (opt_b, pb)):
-        opt.state[ps[1]]["exp_avg"] = opt.state[ps[1]]["exp_avg"].flip(0).clone()  # replaced, m only
+        opt.state[ps[1]][m_key] = opt.state[ps[1]][m_key].flip(0).clone()  # replaced, m only (4-bit: the codes)
     _run(opt_a, pa, opt_b, pb, grads[3:])
     assert_same(opt_a, pa, opt_b, pb)
 
@@ -343,18 +352,18 @@ def _encode_chunk(m, v, key):
     torch_passes.sign_and_abs(b, sc.c)
     nb = n // reference.BLOCK
     got = [torch.empty(k, dtype=d) for _ in range(2) for k, d in ((n, torch.uint8), (nb, torch.bfloat16))]
-    path = torch_passes.scales_8bit(b, sc.c, got[1], got[3])
+    path = torch_passes.block_scales(b, sc.c, got[1], got[3])
     if path != "ref":
         torch_passes.encode_8bit(b, sc.c, got[0], got[2], path == "exact")
     bits = reference.hash_uniform_bits(n, key, "cpu")
     return got, [*reference.quantize_m(m, bits), *reference.quantize_v(v, bits)], path
 
 
-def _near_every_code(mant):
+def _near_every_code(mant, bias=reference.BIAS):
     """Every code's value, the midpoints between neighbours, the subnormal boundary and tiny values, each also one
     ulp below and above, within [0, 1]."""
-    values = reference.minifloat_value(torch.arange(15 * 2**mant + 1), mant)
-    extra = [2.0**-14, 2.0**-15, 2.0**-18, 2.0**-19, 2.0**-126, 1e-45, 3e-39, 1.0 - 2.0**-24]
+    values = reference.minifloat_value(torch.arange(bias * 2**mant + 1), mant, bias)
+    extra = [2.0**-6, 2.0**-7, 2.0**-14, 2.0**-15, 2.0**-18, 2.0**-19, 2.0**-126, 1e-45, 3e-39, 1.0 - 2.0**-24]
     x = torch.cat([values, (values[1:] + values[:-1]) / 2, torch.tensor(extra)])
     x = torch.cat([x, torch.nextafter(x, torch.zeros(1)), torch.nextafter(x, torch.ones(1))])
     return x[(x >= 0) & (x <= 1)]
@@ -457,6 +466,189 @@ def test_8bit_state_at_extreme_scales(small_chunks, dtype):
         row[0][::11] = 1e-40
     _run(opt_a, pa, opt_b, pb, grads[1:])
     assert_same(opt_a, pa, opt_b, pb)
+
+
+def _encode_chunk4(m, v, key):
+    """The engine's 4-bit encoding of one chunk (``m`` and ``v``, whole blocks of 128), its path and the reference's
+    codes and scales for the same random words."""
+    n = m.numel()
+    sc = torch_passes.Scratch(torch.device("cpu"), n)
+    b = sc.upto(n, reference.BLOCK4)
+    torch_passes.hash_into(b, sc.c, [(0, 0, n, 0, True)], [key], top=False)
+    b.m.copy_(m)
+    b.v.copy_(v)
+    torch_passes.sign_and_abs(b, sc.c)
+    nb = n // reference.BLOCK4
+    got = [
+        torch.empty(n, dtype=torch.uint8),
+        torch.empty(nb, dtype=torch.bfloat16),
+        torch.empty(nb, dtype=torch.bfloat16),
+    ]
+    path = torch_passes.block_scales(b, sc.c, got[1], got[2], four_bit=True)
+    if path != "ref":
+        torch_passes.encode_4bit(b, sc.c, got[0], path == "exact")
+    return got, list(reference.quantize_mv4(m, v, reference.hash_uniform_bits(n, key, "cpu"))), path
+
+
+@pytest.mark.parametrize("top", _SCALES)
+def test_4bit_codes_at_every_boundary(top):
+    """As for 8-bit: normalized values at, between, and one ulp around every 4-bit code's value (both moments, and
+    the 8-bit ones), signed zeros, fp32 subnormals, a zero block, with block maxima across the range of scales."""
+    gen = torch.Generator().manual_seed(1)
+    near = torch.cat([_near_every_code(0, reference.M4_BIAS), _near_every_code(0), _near_every_code(3)])
+    y = torch.cat([near, torch.rand(2048, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-5])
+    y = y[torch.randperm(y.numel(), generator=gen)]
+    y = torch.cat([y, y.new_zeros(-y.numel() % 128 + 128)]).view(-1, 128)  # the last block all zero
+    y[:-1, 0] = 1.0
+    y[1, 0] = 0.77
+    x = (y * top).reshape(-1)
+    x[5:600:128] = 1e-45  # fp32 subnormals in blocks with a large maximum: y underflows
+    m = torch.where(torch.rand(x.numel(), generator=gen) < 0.5, -x, x)
+    m[3::97] = -0.0
+    v = x.flip(0)
+    amax = torch.cat([m.abs(), v]).view(-1, 128).amax(1)
+    amax = amax[amax > 0]
+    fast = bool((amax >= torch_passes.FAST_SCALE_MIN).all() and (amax <= torch_passes.FAST_SCALE_MAX).all())
+    assert fast == (2.0**-126 / 0.77 <= top <= 2.0**100)
+    for key in (12345, 2**32 - 1):
+        got, want, path = _encode_chunk4(m, v, key)
+        assert path == ("fast" if fast else "exact")
+        for g, w, name in zip(got, want, ("codes", "m scales", "v scales")):
+            assert same_bits(g, w), name
+
+
+@pytest.mark.parametrize("v_zeros", [True, False])
+def test_4bit_nonzero_v_never_gets_code_0(v_zeros):
+    """The two ways of keeping a nonzero v off code 0 (a chunk without a zero v, and one with zeros), with m codes of
+    both signs in the same bytes."""
+    gen = torch.Generator().manual_seed(2)
+    v = torch.rand(4096, generator=gen) ** 20  # most far below 2**-14 of their block maximum
+    v[::128] = 1.0
+    v[7] = 1e-45
+    if v_zeros:
+        v[100:110] = 0.0
+    m = torch.randn(4096, generator=gen)
+    got, want, path = _encode_chunk4(m, v, 99)
+    assert path == "fast"
+    assert all(same_bits(g, w) for g, w in zip(got, want))
+    cv = got[0] >> 4
+    assert (cv[v > 0] > 0).all() and (cv[v == 0] == 0).all()
+    assert ((cv == 1) & (v < 1e-10)).sum() > 100  # the rule did matter
+    assert ((got[0] & 8) > 0).sum() > 1000  # negative m codes sit beside the v codes
+
+
+def test_4bit_nan_and_inf_take_the_reference_path():
+    m = torch.randn(512)
+    v = torch.rand(512)
+    for bad in (float("nan"), float("inf")):
+        m2 = m.clone()
+        m2[300] = bad
+        assert _encode_chunk4(m2, v, 1)[2] == "ref"
+        v2 = v.clone()
+        v2[3] = bad
+        assert _encode_chunk4(m, v2, 1)[2] == "ref"
+
+
+def test_4bit_decode_every_code():
+    """Every byte (both codes) under m and v scales 0, tiny, ordinary, huge, inf and NaN, and m scales at and
+    around 2**120, where 2**8 * scale overflows (the decoder's other order)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat_interleave(2).repeat(6)  # 24 blocks of 128
+    scales = [0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126, 2.0**119, 2.0**120, 3.3e38]
+    scales = torch.tensor(scales + [1.5] * 13).to(torch.bfloat16)
+    n = codes.numel()
+    sc = torch_passes.Scratch(torch.device("cpu"), n)
+    b = sc.upto(n, reference.BLOCK4)
+    for m_scale, v_scale in ((scales, scales.flip(0)), (scales.clamp(max=2.0**119), scales)):
+        torch_passes.decode_4bit(b, sc.c, codes, m_scale, v_scale)
+        want_m, want_v = reference.dequantize_mv4(codes, m_scale, v_scale)
+        assert same_bits(b.m, want_m) and same_bits(b.v, want_v)
+    assert torch.signbit(b.m[codes == 8]).all()  # the m code of a negative zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_4bit_state_at_extreme_scales(small_chunks, dtype):
+    """Steps from 4-bit states with tiny (bf16 subnormal, 1/scale infinite), huge (2**8 * scale overflows) and zero
+    block scales, with zero, tiny and signed-zero gradients: the engine's exact paths and the reference agree."""
+    values, grads = _random([(512,), (300,), (5000,)], steps=4, seed=12)
+    opt_a, pa, opt_b, pb = _twins(values, dtype, state_format="4bit", lr=1e-3, seed=4)
+    _run(opt_a, pa, opt_b, pb, grads[:1])
+    tiny = torch.tensor([2.0**-133, 2.0**-128, 2.0**-126, 0.0], dtype=torch.bfloat16)
+    for opt, ps in ((opt_a, pa), (opt_b, pb)):
+        s = opt.state[ps[0]]
+        s["exp_avg_scale"].copy_(tiny)
+        s["exp_avg_sq_scale"].copy_(tiny.flip(0))
+        s = opt.state[ps[2]]
+        s["exp_avg_scale"][::3] = 2.0**121
+        s["exp_avg_sq_scale"][::5] = 2.0**120
+    for row in grads[1:]:
+        row[0].zero_()
+        row[0][::7] = -0.0
+        row[0][::11] = 1e-40
+    _run(opt_a, pa, opt_b, pb, grads[1:])
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+def _dtensor_worker(rank, world, store, out):
+    """One rank: each format's engine against the reference on the local shards of DTensor parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch_engine.CHUNK = 4096
+    mesh = init_device_mesh("cpu", (world,))
+    failures = []
+    for fmt in FORMATS:
+        values, grads = _random([(301, 7), (5000,), (3, 5), (9000,)], steps=3, seed=14)
+        pa, pb = ([torch.nn.Parameter(distribute_tensor(v, mesh, [Shard(0)])) for v in values] for _ in range(2))
+        opt_a, opt_b = (
+            ApexW(ps, engine="torch", state_format=fmt, lr=1e-2, weight_decay=0.1, seed=3) for ps in (pa, pb)
+        )
+        group = opt_b.param_groups[0]
+        for row in grads:
+            for x, y, g in zip(pa, pb, row):
+                x.grad, y.grad = distribute_tensor(g, mesh, [Shard(0)]), distribute_tensor(g, mesh, [Shard(0)])
+            opt_a.step()
+            with torch.no_grad():
+                for p in pb:
+                    state = opt_b._init_state(p, group)
+                    state["step"] += 1
+                    t = int(state["step"].item())
+                    s = reference.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=t)
+                    reference.adamw_step_ref_(
+                        p.to_local(),
+                        p.grad.to_local(),
+                        dt.local_view(state, p),
+                        fmt=fmt,
+                        scalars=s,
+                        seed=3,
+                        tensor_index=opt_b._tensor_index(p),
+                        step=t,
+                    )
+        for i, (x, y) in enumerate(zip(pa, pb)):
+            sa, sb = dt.local_view(opt_a.state[x], x), dt.local_view(opt_b.state[y], y)
+            if not same_bits(x.detach().to_local(), y.detach().to_local()):
+                failures.append(f"{fmt} param {i}")
+            failures += [
+                f"{fmt} param {i} state {k}"
+                for k in sb
+                if not (same_bits(sa[k], sb[k]) if isinstance(sb[k], torch.Tensor) else sa[k] == sb[k])
+            ]
+    torch.save(failures, os.path.join(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dt.DTensor or not torch.distributed.is_available(), reason="torch without distributed")
+def test_dtensor_local_shards_match_reference():
+    """DTensor parameters (two gloo ranks, uneven shards): the engine steps each rank's local shard exactly as the
+    reference does, in every format (4-bit scales per 128 elements of the local shard)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_dtensor_worker, args=(2, os.path.join(tmp, "store"), tmp), nprocs=2, join=True)
+        for r in range(2):
+            assert torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) == []
 
 
 def test_comparison_notices_one_bit():

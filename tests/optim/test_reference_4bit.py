@@ -1,0 +1,258 @@
+"""The 4-bit state format of the specification (``reference.quantize_mv4`` / ``dequantize_mv4``) on its own terms.
+
+What ``reference.py`` promises for ``4bit``: one byte per element (bits 0-3 the ``m`` code: sign bit 3 and an e3m0
+magnitude of bias 7; bits 4-7 the ``v`` code: e4m0 of bias 15), bf16 absmax scales per 128 elements, exactly
+representable values kept for every random word, zero kept as code 0, a nonzero ``v`` never coded 0, stochastic
+rounding that is unbiased to the resolution of its random bits, and ``v`` that keeps decaying at ``beta2 = 0.999``.
+Statistical checks state their tolerance from the variance of the rounding they check (5 standard errors), plus the
+documented resolution of the random bits where it applies.
+"""
+
+import math
+
+import pytest
+import torch
+
+from apexw_hf import reference as ref
+from apexw_hf.optim.state import init_state, state_tensor_bytes
+
+from .helpers import lora_3b_shapes
+
+M_VALUES = [0.0] + [2.0 ** (c - 7) for c in range(1, 8)]  # m magnitude codes 0..7
+V_VALUES = [0.0] + [2.0 ** (c - 15) for c in range(1, 16)]  # v codes 0..15
+M_SHIFT, M_NBITS, V_SHIFT, V_NBITS = ref.M_RAND_SHIFT, ref.M_RAND_BITS, ref.V_RAND_SHIFT, ref.V_RAND_BITS
+
+
+def _words(n, seed=0):
+    return ref.hash_uniform_bits(n, ref.stream_key(seed, 0, 1, ref.STREAM_MV), "cpu")
+
+
+def _code_m(y, words):
+    return ref.minifloat_code(y, ref._rand_offset(words, M_SHIFT, M_NBITS, 23), 0, ref.M4_BIAS)
+
+
+def _code_v(y, words):
+    return ref.minifloat_code(y, ref._rand_offset(words, V_SHIFT, V_NBITS, 23), 0, ref.BIAS)
+
+
+def test_every_code_decodes_to_its_documented_value():
+    assert ref.minifloat_value(torch.arange(8), 0, ref.M4_BIAS).tolist() == M_VALUES
+    assert ref.minifloat_value(torch.arange(16), 0, ref.BIAS).tolist() == V_VALUES
+    byte = torch.arange(256, dtype=torch.uint8).repeat_interleave(2)  # 4 blocks of 128
+    scale_m = torch.tensor([1.0, 0.75, 3.0, 2.0**-100], dtype=torch.bfloat16)
+    scale_v = torch.tensor([2.0**-30, 1.0, 5.0, 0.375], dtype=torch.bfloat16)
+    m, v = ref.dequantize_mv4(byte, scale_m, scale_v)
+    assert m.dtype == v.dtype == torch.float32 and m.shape == v.shape == byte.shape
+    c = byte.long()
+    block = torch.arange(byte.numel()) // ref.BLOCK4
+    mag = torch.tensor(M_VALUES, dtype=torch.float64)[c & 7]
+    want_m = torch.where((c & 8) > 0, -mag, mag) * scale_m.double()[block]
+    want_v = torch.tensor(V_VALUES, dtype=torch.float64)[c >> 4] * scale_v.double()[block]
+    assert torch.equal(m.double(), want_m) and torch.equal(v.double(), want_v)  # exact: powers of two times scales
+    assert torch.equal(torch.signbit(m), (c & 8) > 0)  # m code 8 is a negative zero
+
+
+def test_representable_values_encode_to_themselves_for_every_word():
+    """0, 2**-6 .. 1 (m) and 0, 2**-14 .. 1 (v): every low 16-bit word (all that the codes read) under two top
+    halves, in the codec; then through quantize/dequantize with a block scale, for every m and v random pattern."""
+    low = torch.arange(1 << 16, dtype=torch.int64)
+    for top in (0, 0xFFFF):
+        words = low | (top << 16)
+        for c, y in enumerate(M_VALUES):
+            assert (_code_m(torch.full((1 << 16,), y), words) == c).all(), (c, top)
+        for c, y in enumerate(V_VALUES):
+            assert (_code_v(torch.full((1 << 16,), y), words) == c).all(), (c, top)
+    # one block of 128 per word pattern: 1024 blocks give every v pattern (bits 0-9) and every m pattern (10-15)
+    i = torch.arange(1024, dtype=torch.int64)
+    words = (i | ((i & 63) << 10) | (_words(1024) & ~0xFFFF)).repeat_interleave(ref.BLOCK4)
+    row_m = torch.tensor(M_VALUES + [-x for x in M_VALUES[1:]] + [1.0] * (128 - 15))
+    row_v = torch.tensor(V_VALUES + V_VALUES[1:] + [1.0] * (128 - 31))
+    for s in (1.0, 0.375, 2.0**-60, 2.0**100):
+        m, v = (row.repeat(1024) * s for row in (row_m, row_v))
+        mv, sm, sv = ref.quantize_mv4(m, v, words)
+        assert torch.equal(sm.float(), torch.full((1024,), s)) and torch.equal(sv.float(), torch.full((1024,), s))
+        dm, dv = ref.dequantize_mv4(mv, sm, sv)
+        assert torch.equal(dm, m) and torch.equal(dv, v)
+
+
+def test_zero_encodes_to_code_0():
+    n = 4 * ref.BLOCK4
+    words = _words(n, 3)
+    for m in (torch.zeros(n), -torch.zeros(n)):  # -0 is not negative: no sign bit
+        mv, sm, sv = ref.quantize_mv4(m, torch.zeros(n), words)
+        assert (mv == 0).all() and (sm.float() == 0).all() and (sv.float() == 0).all()
+    # zeros among nonzero values: both nibbles 0, whatever the word
+    x = torch.rand(n) + 0.5
+    x[::3] = 0.0
+    mv, _, _ = ref.quantize_mv4(x.neg(), x, words)
+    assert (mv[x == 0] == 0).all() and (mv[x > 0] & 7 > 0).all() and (mv[x > 0] >> 4 > 0).all()
+
+
+def test_nonzero_v_never_gets_code_0():
+    """However small relative to its block maximum (1e-38 of it, an fp32 subnormal, or a y that underflows to 0)."""
+    n = 8 * ref.BLOCK4
+    v = torch.tensor([1e-38, 1e-45, 3e-39, 2.0**-15, 2.0**-14 * 0.49, 1e-10, 1e-30]).repeat(-(-n // 7))[:n]
+    blocks = v.view(-1, ref.BLOCK4)
+    blocks[:, 0] = torch.tensor([1.0, 1.0, 1e38, 3e38, 1.0, 2.0**-100, 1e-30, 1.0])  # the block maxima
+    for seed in range(4):
+        mv, _, sv = ref.quantize_mv4(torch.zeros(n), v, _words(n, seed))
+        assert ((mv >> 4) >= 1).all()
+        _, dv = ref.dequantize_mv4(mv, torch.zeros_like(sv), sv)
+        assert (dv > 0).all()
+        s = sv.float().repeat_interleave(ref.BLOCK4)
+        tiny = v < s * 2.0**-15  # always rounded up to the smallest code, 2**-14 of the scale
+        assert tiny.sum() > n // 2 and torch.equal(dv[tiny], s[tiny] * 2.0**-14)
+
+
+def _check_unbiased(values, codes_of, n_rand_bits, exact_levels, reps=1 << 14):
+    """Stochastic rounding of each level of ``exact_levels`` (a multiple of 2**-bits of its code step: the expected
+    value is then exact) and of other levels (within half a unit of the random bits' resolution of the step), over
+    ``reps`` random words: the mean lies within 5 standard errors of the Bernoulli rounding's variance."""
+    vals = torch.tensor(values, dtype=torch.float64)
+    for y, exact in exact_levels:
+        words = _words(reps, seed=int(y * 2**30) % 1000)
+        codes = codes_of(torch.full((reps,), y, dtype=torch.float32), words)
+        got = vals[codes]
+        hi = int(torch.searchsorted(vals, torch.tensor(y, dtype=torch.float64)))
+        lo_v, hi_v = vals[hi - 1].item(), vals[hi].item()
+        step = hi_v - lo_v
+        assert set(got.unique().tolist()) <= {lo_v, hi_v}
+        p = (y - lo_v) / step
+        sigma = step * math.sqrt(p * (1 - p))
+        bias = 0.0 if exact else step * 2.0 ** -(n_rand_bits + 1)
+        assert abs(got.mean().item() - y) <= bias + 5 * sigma / math.sqrt(reps), (y, got.mean().item())
+
+
+def test_m_rounding_is_unbiased():
+    """m, 6 random bits: levels in the normal binades and below 2**-6 (between 0 and the smallest code), and their
+    negatives through the full quantize/dequantize."""
+    levels = [(2.0**-6 * (1 + 13 / 64), True), (0.5 * (1 + 37 / 64), True), (2.0**-6 * 17 / 64, True)]
+    levels += [(0.3, False), (0.7071, False), (2.0**-6 * 0.41, False), (2.0**-8, False), (0.999, False)]
+    _check_unbiased(M_VALUES, _code_m, M_NBITS, levels)
+    # signed, with a block scale, through the byte
+    reps = 1 << 14
+    n = reps + ref.BLOCK4
+    m = torch.full((n,), -0.3 * 0.75)
+    m[:: ref.BLOCK4] = -0.75  # every block's maximum
+    mv, sm, sv = ref.quantize_mv4(m, torch.zeros(n), _words(n, 9))
+    d = ref.dequantize_mv4(mv, sm, sv)[0].double()
+    sel = torch.arange(n) % ref.BLOCK4 != 0
+    step, p = 0.25 * 0.75, (0.3 - 0.25) / 0.25
+    tol = step * (2.0**-7 + 5 * math.sqrt(p * (1 - p)) / math.sqrt(sel.sum().item()))
+    assert abs(d[sel].mean().item() + 0.3 * 0.75) <= tol
+
+
+def test_v_rounding_is_unbiased():
+    """v, 10 random bits: levels in the normal binades (below 2**-14 a nonzero v is rounded up to 2**-14, by the
+    zero-point rule, and so is biased there on purpose)."""
+    levels = [(0.5 * (1 + 301 / 1024), True), (2.0**-14 * (1 + 5 / 1024), True), (2.0**-9 * (1 + 1023 / 1024), True)]
+    levels += [(0.3, False), (0.7071, False), (2.0**-13 * 1.37, False), (0.999, False), (1e-3, False)]
+    _check_unbiased(V_VALUES, _code_v, V_NBITS, levels)
+
+
+def test_byte_layout_and_scales_per_128_elements():
+    """m in bits 0-3 (sign bit 3), v in bits 4-7; one bf16 scale per 128 elements (absmax rounded up), a partial last
+    block with its own; ``exp_avg_mv`` keeps the parameter's shape."""
+    shape = (3, 100)  # 300 elements: blocks of 128, 128 and 44
+    gen = torch.Generator().manual_seed(0)
+    m = torch.randn(shape, generator=gen)
+    v = torch.rand(shape, generator=gen)
+    m.view(-1)[256 + 7] = -9.0  # the tail block's maximum
+    v.view(-1)[256 + 40] = 7.0
+    words = _words(300, 4).view(shape)
+    mv, sm, sv = ref.quantize_mv4(m, v, words)
+    assert mv.dtype == torch.uint8 and mv.shape == shape
+    assert sm.dtype == sv.dtype == torch.bfloat16 and sm.shape == sv.shape == (3,)
+    for scale, x in ((sm, m.abs()), (sv, v)):
+        blocks = [x.reshape(-1)[a : a + 128] for a in (0, 128, 256)]
+        want = torch.stack([ref.bf16_round_up(b.amax()) for b in blocks])
+        assert torch.equal(scale, want)
+        assert (scale.float() >= torch.stack([b.amax() for b in blocks])).all()
+    assert sm[2].float() == 9.0 and sv[2].float() == 7.0
+    # the nibbles are the codes of each moment on its own (the other moment does not change them)
+    mv_m, _, _ = ref.quantize_mv4(m, torch.zeros(shape), words)
+    mv_v, _, _ = ref.quantize_mv4(torch.zeros(shape), v, words)
+    assert torch.equal(mv & 15, mv_m) and torch.equal(mv >> 4, mv_v >> 4) and (mv_v & 15 == 0).all()
+    assert torch.equal((mv & 8) > 0, m < 0)
+    y = (m.abs().reshape(-1) / sm.float().repeat_interleave(128)[:300]).clamp(max=1.0)
+    assert torch.equal((mv_m.reshape(-1) & 7).long(), _code_m(y, words.reshape(-1)))
+    # a change in one block changes only that block's scale and bytes
+    m2 = m.clone()
+    m2.view(-1)[130] = 50.0
+    mv2, sm2, _ = ref.quantize_mv4(m2, v, words)
+    assert torch.equal(sm2[[0, 2]], sm[[0, 2]]) and sm2[1] == 50.0
+    same = torch.ones(300, dtype=torch.bool)
+    same[128:256] = False
+    assert torch.equal(mv2.reshape(-1)[same], mv.reshape(-1)[same])
+
+
+def test_bf16_params_with_4bit_state_share_the_moments_word():
+    assert ref.param_stream("4bit", torch.bfloat16) == ref.STREAM_MV
+    assert ref.param_stream("4bit", torch.float16) == ref.STREAM_P
+    assert ref.param_stream("4bit", torch.float32) == ref.STREAM_P
+
+
+def _step(p, g, state, t, **kw):
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+    hp.update(kw)
+    s = ref.StepScalars.make(step=t, **hp)
+    ref.adamw_step_ref_(p, g, state, fmt="4bit", scalars=s, seed=1, tensor_index=0, step=t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_zero_gradients_from_zero_state_leave_parameters_put(dtype):
+    gen = torch.Generator().manual_seed(0)
+    p = torch.randn(300, generator=gen).to(dtype)
+    p[:3] = torch.tensor([0.0, -0.0, 1e-7])
+    start = p.clone()
+    state = init_state(p, "4bit")
+    for t in range(1, 31):
+        _step(p, torch.zeros(300), state, t)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(p.view(bits), start.view(bits))  # bit for bit, signed zeros included
+    assert (state["exp_avg_mv"] == 0).all() and (state["exp_avg_scale"].float() == 0).all()
+    assert (state["exp_avg_sq_scale"].float() == 0).all()
+
+
+def test_v_keeps_decaying_at_beta2_0999_with_zero_gradients():
+    """From v on codes 15 and 12 (m zero), zero gradients: each step, each element's v stays or halves (one code per
+    binade). Decaying by 0.1% a step means halving with probability 0.002; the spec's 10 random bits make that 2/1024,
+    an effective decay of 1 - 2**-10 = 0.99902 a step (within 2.5% of 0.999**t at t = 1000). The mean of v_t / v_0
+    over the elements must be within 5 standard errors of that expectation q**t (the variance from the two-point law
+    of each step: r**t - q**(2t)) at t = 100, 300 and 1000, and the parameters do not move (m stays zero)."""
+    n, steps = 4096, 1000
+    beta2 = ref.StepScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1).beta2
+    stay = (_code_v(torch.full((1024,), beta2), torch.arange(1024)) == 15).double().mean().item()
+    q, r = stay + (1 - stay) / 2, stay + (1 - stay) / 4  # E[v'/v], E[(v'/v)**2] per step
+    assert abs(q**steps / 0.999**steps - 1) < 0.025
+    p = torch.randn(n)
+    start = p.clone()
+    state = init_state(p, "4bit")
+    state["exp_avg_mv"].copy_(torch.tensor([0xF0, 0xC0], dtype=torch.uint8).repeat(n // 2))
+    state["exp_avg_sq_scale"].fill_(2.0**-20)
+    _, v0 = ref.load_moments(state, "4bit", p.shape)
+    for t in range(1, steps + 1):
+        _step(p, torch.zeros(n), state, t)
+        if t in (100, 300, steps):
+            _, v = ref.load_moments(state, "4bit", p.shape)
+            ratio = (v / v0).double()
+            se = math.sqrt(r**t - q ** (2 * t)) / math.sqrt(n)
+            assert abs(ratio.mean().item() - q**t) <= 5 * se, (t, ratio.mean().item(), q**t, 0.999**t)
+    assert torch.equal(p, start)
+    assert (state["exp_avg_mv"] & 15 == 0).all()
+
+
+def test_state_bytes():
+    """1 byte per parameter plus 2 * 2 bytes per block of 128 (and the 4-byte step counter), exactly; the LoRA
+    Llama-3.2-3B tensor set (392 tensors) in at most 25.0 MiB."""
+    for shape in [(1,), (127,), (128,), (129,), (300,), (33, 65), (16, 3072)]:
+        p = torch.empty(shape, device="meta")
+        n = p.numel()
+        assert state_tensor_bytes(init_state(p, "4bit")) == n + 4 * -(-n // 128) + 4
+    shapes = lora_3b_shapes()
+    assert len(shapes) == 392
+    total = sum(state_tensor_bytes(init_state(torch.empty(s, device="meta"), "4bit")) for s in shapes)
+    params = sum(math.prod(s) for s in shapes)
+    assert params == 24_313_856
+    assert total == params + 4 * params // 128 + 4 * 392  # every LoRA tensor is whole blocks
+    assert total / 2**20 <= 25.0
