@@ -361,11 +361,11 @@ def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, 
 def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool, codes2=None) -> None:
     """``reference.quantize_m`` and ``quantize_v`` codes of ``b.m`` and ``b.v`` (with ``b.m`` holding ``|m|``, and
     the sign of m in ``b.a``: 1.0 where ``m < 0``) into the uint8 tensors ``m_codes_out`` and ``v_codes_out``, with
-    the factors of :func:`scales_8bit` and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``,
+    the factors of :func:`block_scales` and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``,
     ``b.u``, ``b.r``, ``b.t``.
 
     ``exact``: the reference's clamp and NaN step first (any finite scale). ``codes2``: both moments' codes side by
-    side, when they are (a packed chunk). The factors come from :func:`block_scales`.
+    side, when they are (a packed chunk).
     """
     some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
     if some_zero:
