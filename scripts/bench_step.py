@@ -1,4 +1,4 @@
-"""Optimizer-step benchmark on one GPU: ApexW (compact, 8-bit; auto and forced kernel) against every baseline.
+"""Optimizer-step benchmark on one GPU: ApexW (compact, 8-bit, 4-bit; auto and forced kernel) against every baseline.
 
 Optimizer step only: gradients are random and fixed across steps; each step is timed with CUDA events after
 warm-up, and the median of ``--steps`` steps is reported, with state bytes per parameter and the bandwidth floor
@@ -136,9 +136,12 @@ OPTIMIZERS = {
     "apexw_compact_triton": _apexw("compact", "triton"),
     "apexw_8bit_auto": _apexw("8bit", "auto"),
     "apexw_8bit_triton": _apexw("8bit", "triton"),
+    "apexw_4bit_auto": _apexw("4bit", "auto"),
+    "apexw_4bit_triton": _apexw("4bit", "triton"),
     # bf16 parameters rounded to nearest, as torch fused rounds them (the default rounds stochastically)
     "apexw_compact_nearest": _apexw("compact", "triton", "nearest"),
     "apexw_8bit_nearest": _apexw("8bit", "triton", "nearest"),
+    "apexw_4bit_nearest": _apexw("4bit", "triton", "nearest"),
     "torch_fused": _torch(fused=True),
     "torch_foreach": _torch(foreach=True),
     "torch_fused_bf16_state": _torch_fused_bf16_state,
@@ -154,7 +157,7 @@ SLOW = ("torch_compile", "torchao_adamw8bit", "torchao_adamw4bit")
 NOT_APPLICABLE = {
     (f"apexw_{fmt}_nearest", w): "param_rounding applies to bf16/fp16 parameters only: with fp32 parameters "
     f"this is apexw_{fmt}_triton"
-    for fmt in ("compact", "8bit")
+    for fmt in ("compact", "8bit", "4bit")
     for w, (_, dtype) in WORKLOADS.items()
     if dtype == torch.float32
 }
@@ -442,7 +445,7 @@ def tune(args, bw):
         shapes, dtype = WORKLOADS[wname]
         ps = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
         gs = [torch.randn(s, device="cuda", dtype=dtype) for s in shapes]
-        for fmt in ("compact", "8bit"):
+        for fmt in ("compact", "8bit", "4bit"):
             states = [st.init_state(p, fmt) for p in ps]
             sb = sum(st.state_tensor_bytes(s) - 4 for s in states)
             moved = sum(p.numel() * p.element_size() * 3 for p in ps) + 2 * sb
@@ -505,6 +508,7 @@ def main():
     args.tune_configs = {
         "compact": [(2, 4, True), (2, 2, True), (1, 1, True), (4, 4, True), (1, 2, True)],
         "8bit": [(2, 4, True), (2, 2, True), (1, 4, True), (1, 2, True), (1, 1, True), (2, 1, True)],
+        "4bit": [(1, 1, True), (2, 2, True), (4, 4, True), (2, 1, True), (1, 2, True)],
     }
 
     global CLOCKS
@@ -530,7 +534,7 @@ def main():
         result["tune"] = tune(args, bw)
         from apexw_hf.kernels import launch
 
-        for fmt in ("compact", "8bit"):
+        for fmt in ("compact", "8bit", "4bit"):
             for size, wname in ((4, "4x8192^2 fp32"), (2, "4x8192^2 bf16")):
                 cands = [t for t in result["tune"] if t["fmt"] == fmt and t["workload"] == wname and t["aligned"]]
                 best = min(cands, key=lambda t: t["median_ms"])

@@ -1,4 +1,5 @@
-"""Triton helpers of the 8-bit block format, version 2 (``reference.quantize_m`` / ``quantize_v`` and inverses).
+"""Triton helpers of the block formats: 8-bit version 2 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
+4-bit (``reference.quantize_mv4`` / ``dequantize_mv4``).
 
 A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
 
@@ -14,6 +15,19 @@ fp32 subnormal, rounded to a multiple of 2**-149 = 2**-37 * 2**-112, to nearest 
 multiplication replaces the reference's comparison, addition and selection, and the bits of ``t`` plus the random
 offset, shifted, are the code. The shift is folded into the addition (``(bits(t) << s) + (offset << s)``, one LEA or
 IMAD) so that the code lands in the top byte.
+
+4-bit state (``reference.quantize_mv4``) holds both codes in one byte: bits 0-2 the ``m`` magnitude (e3m0, exponent
+bias 7), bit 3 its sign, bits 4-7 the ``v`` code (e4m0, bias 15). The tile stays ``[ROWS, 256]``; block scales are
+reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp, holds two 4-bit blocks). The same
+product encodes both codes: ``y * 2**-112`` for ``v`` (bias 15, as above) and ``y * 2**-120`` for ``m`` (bias 7: its
+subnormal boundary 2**-6 lands on fp32's 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 *
+2**120); with no mantissa bits a code is the fp32 exponent field of that product once the random offset is added.
+One shift of the random word places both moments' random bits (bits 10-15 for ``m``, 0-9 for ``v``) right below
+their codes: ``m`` is added shifted left by 5 (code in bits 28-30, bit 31 free), ``v`` shifted right by 1 (code in
+bits 22-25; the bit shifted out lies below the half-unit bit, so the carry, hence the code, is the same). A funnel
+shift then joins the two codes into the byte. Decoding goes through fp16 as for 8 bits: the ``v`` code is the fp16
+exponent field (``code << 10``, code 0 the zero); the ``m`` code is too with bias 15, and an exact fp16
+multiplication by 256, two codes at a time, moves it to bias 7 (zero stays zero).
 """
 
 import triton
@@ -29,6 +43,13 @@ M_RAND_MASK = tl.constexpr(0x3F << 18)
 M_HALF = tl.constexpr(1 << 17)
 V_RAND_MASK = tl.constexpr(0x3FF << 14)
 V_HALF = tl.constexpr(1 << 13)
+# 4-bit: one shift of the random word by W4_SHIFT puts bits 10-15 (m) at bits 22-27, right below the m code when the
+# magnitude's bits are added shifted left by 5, and bits 0-9 (v) at bits 12-21, below the v code when they are added
+# shifted right by 1; each plus half a unit below its random bits (reference._rand_offset with drop = 23).
+TWO_POW_M120 = tl.constexpr(2.0**-120)
+W4_SHIFT = tl.constexpr(12)
+M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
+V4_RAND_MASK, V4_HALF = tl.constexpr(0x3FF << 12), tl.constexpr(1 << 11)
 
 
 @triton.jit
@@ -63,6 +84,13 @@ def _halves_to_f32(h2):
 
 
 @triton.jit
+def _halves_to_f16(h2):
+    """uint32 words holding two fp16 bit patterns [R, W] -> fp16 [R, W, 2] (low half first)."""
+    h = tl.join(h2.to(tl.uint16), (h2 >> 16).to(tl.uint16))
+    return h.to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _decode_words(w, M: tl.constexpr):
     """[R, W] words of four codes -> fp32 code values [R, 4 * W] in memory order (``M``: sign + e4m3, else e4m4).
 
@@ -93,14 +121,19 @@ def dequant_v_words(w, scale_bits):
 
 
 @triton.jit
-def block_scale(a, mask):
+def block_scale(a, mask, MASKED: tl.constexpr = True):
     """Per-row absmax of ``a >= 0`` (NaN wins) rounded up to bf16: (bf16 bits [R], fp32 reciprocal [R]).
 
     Non-negative fp32 values order like their bit patterns, and NaN's pattern is above inf's, so the absmax is an
     integer max that propagates NaN. The reciprocal of a zero scale is inf here, where the reference takes 0: such a
-    block is all zeros, and ``0 * inf`` is NaN, which :func:`scaled_bits` maps to 0 like ``0 * 0``.
+    block is all zeros, and ``0 * inf`` is NaN, which :func:`scaled_bits` maps to 0 like ``0 * 0``. Without ``MASKED``
+    the elements outside ``mask`` must be zeros already (the whole rows past the end of a launch of whole blocks,
+    loaded as zeros with zero scales).
     """
-    amax = tl.max(tl.where(mask, f32_bits(a), 0), axis=1)
+    if MASKED:
+        amax = tl.max(tl.where(mask, f32_bits(a), 0), axis=1)
+    else:
+        amax = tl.max(f32_bits(a), axis=1)
     up = (amax + 0xFFFF) >> 16
     sbits = tl.where(amax > 0x7F800000, BF16_NAN, up)
     s = (sbits << 16).to(tl.float32, bitcast=True)
@@ -154,3 +187,83 @@ def quant_v(v, mask, bits, one):
     x = (scaled_bits(v, inv) << 5) + (((bits << 14) & V_RAND_MASK) | (one * V_HALF))
     c = x >> 24
     return tl.where(v > after(inv), tl.maximum(c, 1), c).to(tl.uint8), sbits
+
+
+@triton.jit
+def _m4_halves(h):
+    """Bias 15 -> 7 on fp16 bit patterns holding a 4-bit ``m`` code (sign at bit 15, magnitude ``c`` at bits
+    10-12), one or two to a word: a nonzero magnitude gets the exponent field ``c + 8 = c | 8`` (``c + 7`` has bit 3
+    set exactly when ``c >= 1``), 0 stays zero. No carry leaves a half (``h + 0x1C00 < 0xBC00``). The integer form of
+    the fp16 multiplication by 256 in :func:`dequant_mv4_words`, for the byte path."""
+    return h | ((h + 0x1C001C00) & 0x20002000)
+
+
+@triton.jit
+def _by_block4(x, s):
+    """[R, 256] values times the scales [2 * R] of their 128-element blocks."""
+    R: tl.constexpr = x.shape[0]
+    return tl.reshape(tl.reshape(x, (2 * R, 128)) * s[:, None], (R, 256))
+
+
+@triton.jit
+def dequant_mv4(codes, m_scale_bits, v_scale_bits):
+    """uint8 4-bit codes [R, 256] and bf16 scale bits [2 * R] of both moments -> fp32 (m, v)
+    (``reference.dequantize_mv4``).
+
+    ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``); ``v``: the
+    fp16 ``code << 10`` is ``2**(code - 15)`` (0 for code 0); each times its block's scale: the reference's one
+    rounded product of two exact values.
+    """
+    c = codes.to(tl.uint32)
+    hm = _m4_halves(((c << 10) & 0x1C00) | ((c << 12) & 0x8000))  # the high half stays 0
+    m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), bf16_bits_to_f32(m_scale_bits))
+    v = _by_block4(_f16_bits_to_f32(((c << 6) & 0x3C00).to(tl.uint16)), bf16_bits_to_f32(v_scale_bits))
+    return m, v
+
+
+@triton.jit
+def dequant_mv4_words(w, m_scale_bits, v_scale_bits):
+    """``dequant_mv4`` on the codes packed four to a little-endian uint32 word [R, 64] -> (m, v) [R, 256].
+
+    As :func:`_decode_words`: two codes per 32-bit operation, bytes 0 and 2 in one word, bytes 1 and 3 in another.
+    The ``m`` codes are decoded with bias 15 and multiplied by 256 in fp16, exactly, two at a time.
+    """
+    m_even = ((w << 10) & 0x1C001C00) | ((w << 12) & 0x80008000)
+    m_odd = ((w << 2) & 0x1C001C00) | ((w << 4) & 0x80008000)
+    v_even = (w << 6) & 0x3C003C00
+    v_odd = (w >> 2) & 0x3C003C00
+    x = tl.join(_halves_to_f16(m_even), _halves_to_f16(m_odd)) * 256.0  # [R, W, 2 (bytes 0|1, 2|3), 2 (even, odd)]
+    m = tl.reshape(x.to(tl.float32), (w.shape[0], 4 * w.shape[1]))
+    x = tl.join(_halves_to_f32(v_even), _halves_to_f32(v_odd))
+    v = tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
+    return _by_block4(m, bf16_bits_to_f32(m_scale_bits)), _by_block4(v, bf16_bits_to_f32(v_scale_bits))
+
+
+@triton.jit
+def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
+    """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R]): bf16
+    scales of 128-element blocks; bits 10-15 of the 32 random ``bits`` round ``m`` and bits 0-9 round ``v``, nonzero
+    ``v`` never gets code 0 (``reference.quantize_mv4``). ``one``: [2 * R, 1], as in :func:`quant_m`. ``EVEN``: the
+    launch is whole 256-element rows (masked rows hold zeros).
+
+    See the module docstring: the ``m`` code lands in bits 28-30 of ``xm``, the ``v`` code in bits 0-3 of ``cv``, and
+    ``(xm >> 28) | (cv << 4)`` is one funnel shift. The sign is set after it: set in ``xm`` before, the compiler moves
+    it after the shift anyway and the funnel becomes two shifts and an add.
+    """
+    R: tl.constexpr = m.shape[0]
+    m = tl.reshape(m, (2 * R, 128))
+    v = tl.reshape(v, (2 * R, 128))
+    mask = tl.reshape(mask, (2 * R, 128))
+    bits = tl.reshape(bits, (2 * R, 128))
+    a = tl.abs(m)
+    msb, minv = block_scale(a, mask, not EVEN)
+    vsb, vinv = block_scale(v, mask, not EVEN)
+    ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
+    yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
+    w = bits << W4_SHIFT
+    xm = (f32_bits(ym * TWO_POW_M120) << 5) + ((w & M4_RAND_MASK) | (one * M4_HALF))
+    cv = ((f32_bits(yv * TWO_POW_M112) >> 1) + ((w & V4_RAND_MASK) | (one * V4_HALF))) >> 22
+    cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
+    x = (xm >> 28) | (cv << 4)
+    x = tl.where(m < after(minv), x | 8, x)
+    return tl.reshape(x.to(tl.uint8), (R, 256)), msb, vsb

@@ -28,7 +28,8 @@ ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
     adamw.ADDR_V_SCALE.value,
 )
 
-QBLOCK = 256
+QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit block)
+BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The kernel's parameters after its 17 runtime arguments, in signature order: LaunchPlan.launch passes them
@@ -63,10 +64,13 @@ _TL_DTYPES = {
 # flight. Rechecked for the 8-bit format version 2 (H200, 4 x 8192^2, median of 40 launches): bf16 parameters 1.102 ms
 # with 1 x 1 against 1.204 (2 x 2), 1.211 (4 x 4), 1.349 (8 x 8) and 1.386 (2 x 1, 16 elements per thread); fp32
 # parameters 1.205 with 1 x 1, 1.195 with 4 x 4, 1.200 with 2 x 2; compact bf16 0.922 (1 x 1) and 0.911 (4 x 4).
+# 4-bit takes 8-bit's tile (1 x 256 elements, one warp: two 128-element blocks of half a warp each); not timed on a GPU
+# yet (scripts/bench_step.py --tune has its candidates).
 LAUNCH_CONFIG = {
     "fp32": {4: (1, 1), 2: (1, 1)},
     "compact": {4: (1, 1), 2: (4, 4)},
     "8bit": {4: (1, 1), 2: (1, 1)},
+    "4bit": {4: (1, 1), 2: (1, 1)},
 }
 
 _STATE_DTYPES = {
@@ -78,6 +82,7 @@ _STATE_DTYPES = {
         "exp_avg_scale": torch.bfloat16,
         "exp_avg_sq_scale": torch.bfloat16,
     },
+    "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.bfloat16},
 }
 
 
@@ -101,7 +106,8 @@ class LaunchPlan:
         tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).
         seed: the optimizer's seed.
         grad_dtype: dtype of the gradients this plan is launched with.
-        rows, num_warps: tile height (in 256-element blocks) and warps per program; default by format.
+        rows, num_warps: tile height (rows of 256 elements: one 8-bit block or two 4-bit blocks each) and warps
+            per program; default by format.
     """
 
     def __init__(self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None):
@@ -115,6 +121,7 @@ class LaunchPlan:
         self.rows = rows or cfg_rows
         self.num_warps = num_warps or cfg_warps
         chunk = self.rows * QBLOCK
+        block = BLOCK_OF.get(fmt, QBLOCK)
         n = len(params)
         self.num_tensors = n
         addr = [[0] * n for _ in range(NUM_ADDR_ROWS)]
@@ -126,19 +133,24 @@ class LaunchPlan:
             if not p.is_contiguous():
                 raise ValueError(f"the Triton engine needs contiguous parameters; got strides {p.stride()}")
             addr[ADDR_PARAM][i] = p.data_ptr()
-            addr[ADDR_M][i] = s["exp_avg"].data_ptr()
-            addr[ADDR_V][i] = s["exp_avg_sq"].data_ptr()
-            if fmt == "8bit":
-                addr[ADDR_M_SCALE][i] = s["exp_avg_scale"].data_ptr()
-                addr[ADDR_V_SCALE][i] = s["exp_avg_sq_scale"].data_ptr()
             for key, dtype in _STATE_DTYPES[fmt].items():
-                x = s[key]
-                want = (p.numel() + QBLOCK - 1) // QBLOCK if key.endswith("_scale") else p.numel()
+                x = s.get(key)
+                if not isinstance(x, torch.Tensor):
+                    raise ValueError(f"state '{key}' is missing for format {fmt!r}; got keys {sorted(s)}")
+                want = (p.numel() + block - 1) // block if key.endswith("_scale") else p.numel()
                 if x.dtype != dtype or x.numel() != want or not x.is_contiguous() or x.device != self.device:
                     raise ValueError(
                         f"state '{key}' must be a contiguous {dtype} tensor of {want} elements on {self.device} for "
                         f"format {fmt!r}; got {x.dtype}, {x.numel()} elements, on {x.device}"
                     )
+            if fmt == "4bit":
+                addr[ADDR_M][i] = s["exp_avg_mv"].data_ptr()  # ADDR_V stays 0
+            else:
+                addr[ADDR_M][i] = s["exp_avg"].data_ptr()
+                addr[ADDR_V][i] = s["exp_avg_sq"].data_ptr()
+            if fmt in BLOCK_OF:
+                addr[ADDR_M_SCALE][i] = s["exp_avg_scale"].data_ptr()
+                addr[ADDR_V_SCALE][i] = s["exp_avg_sq_scale"].data_ptr()
             aligned &= all(a % 16 == 0 for a in (addr[ADDR_PARAM][i], addr[ADDR_M][i], addr[ADDR_V][i]))
             numel.append(p.numel())
             tkey.append(to_int32(tensor_key(seed, tensor_indices[i])))
@@ -152,7 +164,7 @@ class LaunchPlan:
         firsts = np.minimum(np.arange(0, total // WORK_GROUP.value + 2) * WORK_GROUP.value, max(total - 1, 0))
         gfirst = np.searchsorted(cstart[1:], firsts, side="right")
         self.static_aligned = aligned
-        self.even = all(k % QBLOCK == 0 for k in numel)
+        self.even = all(k % QBLOCK == 0 for k in numel)  # whole 256-element rows of the kernel's tile: row masks
         self.grads_aligned = False
         dev = self.device
         self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)

@@ -65,7 +65,7 @@ class _GroupCache:
         self.grad_dtypes = [g.dtype for g in grads]
         self.plans = []
         for (_, gdt), slots in by_kind.items():
-            # FSDP2 DTensor params: the kernel steps the local shards (8-bit scales cut to the local block count).
+            # FSDP2 DTensor params: the kernel steps the local shards (block scales cut to the local block count).
             plan = LaunchPlan(
                 [dt.local(members[i]) for i in slots],
                 [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],

@@ -39,7 +39,7 @@ INSN = re.compile(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("fmt", choices=["fp32", "compact", "8bit"])
+    ap.add_argument("fmt", choices=["fp32", "compact", "8bit", "4bit"])
     ap.add_argument("param_dtype", choices=list(DTYPES))
     ap.add_argument("--rows", type=int, default=1)
     ap.add_argument("--warps", type=int, default=1)

@@ -32,8 +32,9 @@ SIGNATURE = {
     },
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
-# Every instruction of the update and of the 8-bit codes must round as IEEE does on subnormals too: no flush-to-zero,
-# no approximate math, no contraction into FMA.
+FORMATS = ("fp32", "compact", "8bit", "4bit")
+# Every instruction of the update and of the 8-bit and 4-bit codes must round as IEEE does on subnormals too: no
+# flush-to-zero, no approximate math, no contraction into FMA.
 BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"\.approx\.", r"div\.full", r"\.ftz\."]
 REQUIRED = [r"sqrt\.rn\.f32", r"div\.rn\.f32"]
 # (rows, warps) of launch.LAUNCH_CONFIG, and a larger tile
@@ -60,12 +61,12 @@ def specializations():
     """(constexprs, num_warps): every format x param dtype x grad dtype on the fast path (whole blocks, aligned), the
     launch tiles, and the other paths: element-wise (unaligned, partial blocks), rounding to nearest, maximize, per
     tensor steps."""
-    for fmt, p, g in itertools.product(("fp32", "compact", "8bit"), DTYPES, DTYPES):
+    for fmt, p, g in itertools.product(FORMATS, DTYPES, DTYPES):
         yield _spec(fmt, p, g), 8
-    for fmt, (rows, warps) in itertools.product(("fp32", "compact", "8bit"), TILES):
+    for fmt, (rows, warps) in itertools.product(FORMATS, TILES):
         yield _spec(fmt, "bf16", "bf16", ROWS=rows), warps
         yield _spec(fmt, "fp32", "fp32", ROWS=rows), warps
-    for fmt in ("fp32", "compact", "8bit"):
+    for fmt in FORMATS:
         yield (
             _spec(
                 fmt,

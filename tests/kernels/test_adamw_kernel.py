@@ -24,11 +24,13 @@ def _run_both(
     states=None,
     hp=HP,
     words=None,
+    tile=(None, None),
 ):
     """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything.
 
     ``states``: initial states (default: fresh ones); ``hp``: hyperparameters; ``words``: whether the launch must
-    (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words.
+    (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words; ``tile``:
+    (rows, warps) of the launch (default: launch.LAUNCH_CONFIG).
     """
     kp = [p.clone() for p in params]
     rp = [p.clone() for p in params]
@@ -54,6 +56,8 @@ def _run_both(
             step=step,
             maximize=maximize,
             param_rounding=param_rounding,
+            rows=tile[0],
+            num_warps=tile[1],
         )
         for p, g, s, i in zip(rp, grads, rs, indices):
             ref.adamw_step_ref_(
@@ -79,7 +83,9 @@ def _run_both(
 
 def _takes_word_path(params, grads, states) -> bool:
     """Whether a launch over these tensors is specialized EVEN and ALIGNED (see launch.LaunchPlan)."""
-    tensors = list(params) + list(grads) + [s[k] for s in states for k in ("exp_avg", "exp_avg_sq")]
+    tensors = (
+        list(params) + list(grads) + [s[k] for s in states for k in ("exp_avg", "exp_avg_sq", "exp_avg_mv") if k in s]
+    )
     return all(p.numel() % 256 == 0 for p in params) and all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
@@ -87,7 +93,9 @@ def _randn(shape, dtype, gen, scale=1.0):
     return (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
-CASES = [(fmt, p, g) for fmt in ("fp32", "compact", "8bit") for p in DTYPES for g in DTYPES if g in ("fp32", p)]
+FORMATS = ("fp32", "compact", "8bit", "4bit")
+QUANTIZED = ("8bit", "4bit")
+CASES = [(fmt, p, g) for fmt in FORMATS for p in DTYPES for g in DTYPES if g in ("fp32", p)]
 
 
 @pytest.mark.parametrize("fmt,pdt,gdt", CASES)
@@ -98,7 +106,7 @@ def test_shapes_and_dtypes_bit_exact(fmt, pdt, gdt):
     _run_both(params, grads, fmt)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 @pytest.mark.parametrize("pdt", ["bf16", "fp16"])
 def test_nearest_rounding_and_maximize(fmt, pdt):
     gen = torch.Generator().manual_seed(1)
@@ -128,7 +136,7 @@ def _special_tensors(dtype):
     return [with_specials, huge, zero_block, subnormal, base.clone()]
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("pdt", ["fp32", "bf16", "fp16"])
 def test_special_values(fmt, pdt):
     dtype = DTYPES[pdt]
@@ -143,14 +151,15 @@ def test_special_values(fmt, pdt):
     _run_both(params, grads, fmt)
 
 
-def test_many_steps_8bit_zero_gradient_exact():
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_many_steps_zero_gradient_exact(fmt):
     gen = torch.Generator().manual_seed(4)
     p = _randn((513,), torch.float32, gen)
     grads = [
         [torch.where(torch.arange(513, device=DEVICE) < 256, _randn((513,), torch.float32, gen), 0.0)]
         for _ in range(6)
     ]
-    _run_both([p], grads, "8bit")
+    _run_both([p], grads, fmt)
 
 
 def test_large_tensor_index_and_seed():
@@ -161,7 +170,7 @@ def test_large_tensor_index_and_seed():
     _run_both(params, grads, "compact", seed=2**32 - 1, first_index=123457)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 def test_program_lookup_over_many_tensors(fmt):
     """Each program finds its tensor by a search that starts from one table entry per 64 programs: tensors of one,
     none and many chunks, group boundaries falling inside and between tensors, all step exactly as the reference."""
@@ -185,7 +194,7 @@ def test_whole_blocks_word_path(fmt, pdt, gdt):
     _run_both(params, grads, fmt, words=True)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 @pytest.mark.parametrize("pdt", ["bf16", "fp16"])
 def test_whole_blocks_nearest_rounding_and_maximize(fmt, pdt):
     gen = torch.Generator().manual_seed(11)
@@ -194,7 +203,7 @@ def test_whole_blocks_nearest_rounding_and_maximize(fmt, pdt):
     _run_both(params, grads, fmt, param_rounding="nearest", maximize=True, words=True)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 def test_whole_blocks_unaligned_gradient(fmt):
     """Whole blocks, but a gradient at an address that is not 16-byte aligned: element-wise loads and stores."""
     gen = torch.Generator().manual_seed(12)
@@ -206,7 +215,7 @@ def test_whole_blocks_unaligned_gradient(fmt):
     _run_both(params, grads, fmt, words=False)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 @pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
 def test_special_values_word_path(fmt, even):
     """NaN, inf, signed zeros, subnormals in parameters and gradients (bf16), through both load paths."""
@@ -269,7 +278,7 @@ def test_8bit_encoder_sees_exact_values():
     _run_both(params, [[g.to(DEVICE)]], "8bit", hp=hp, words=True)
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", *QUANTIZED])
 def test_per_tensor_steps(fmt):
     """Tensors of one launch at different step counts (after missing gradients): each its own random stream and bias
     corrections."""
@@ -309,5 +318,142 @@ def test_nan_payloads_round_to_the_bf16_nan(rounding, even):
     g = _randn((n,), torch.float32, gen)
     g.view(torch.int32)[7] = 0x7FFFFFFF
     g.view(torch.int32)[300 - 9] = -1  # 0xFFFFFFFF
-    _run_both(params, [[g]], "compact", param_rounding=rounding, words=even)
-    _run_both(params, [[g]], "8bit", param_rounding=rounding, words=even)
+    for fmt in ("compact", *QUANTIZED):
+        _run_both(params, [[g]], fmt, param_rounding=rounding, words=even)
+
+
+# ---- 4-bit specifics ----------------------------------------------------------------------------------------------
+
+
+def _all_bytes_state4(p, gen):
+    """A 4-bit state holding all 256 bytes (every m code with every v code) in every pair of 128-element blocks, with
+    scales that cover the ordinary and the special cases (0, subnormal, huge, inf, NaN) for both moments."""
+    s = st.init_state(p, "4bit")
+    n, nb = p.numel(), s["exp_avg_scale"].numel()
+    codes = torch.stack([torch.randperm(256, generator=gen) for _ in range((n + 255) // 256)]).reshape(-1)[:n]
+    s["exp_avg_mv"].copy_(codes.view(p.shape))
+    specials = [1.0, 3.0, 2.0**-10, 0.0, 2.0**-133, 1e30, float("inf"), float("nan"), 2.0**121, 2.0**-120]
+    s["exp_avg_scale"].copy_(torch.tensor([specials[i % len(specials)] for i in range(nb)]))
+    s["exp_avg_sq_scale"].copy_(torch.tensor([specials[(i + 3) % len(specials)] for i in range(nb)]))
+    return {k: v.to(DEVICE) for k, v in s.items()}
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+@pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
+def test_4bit_every_byte_in_the_state(pdt, even):
+    """States holding every byte (both codes) under every kind of scale are decoded (by words and by bytes), updated
+    and re-encoded as the reference does."""
+    gen = torch.Generator().manual_seed(16)
+    shapes = [(2560,), (8, 256)] if even else [(2560,), (7, 77), (384,)]
+    params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+    states = [_all_bytes_state4(p, gen) for p in params]
+    grads = [[_randn(s, torch.float32, gen) for s in shapes]]
+    _run_both(params, grads, "4bit", states=states, words=even)
+
+
+def test_4bit_encoder_sees_exact_values():
+    """beta1 = beta2 = 0: the new moments are the gradient and its square, so the 4-bit code values (m: 2**-6 .. 1; v:
+    2**-14 .. 1 as squares of 2**-7 .. 1), their fp32 neighbours, the subnormal/normal boundaries of both codes and
+    the midpoints between codes reach the encoder exactly, in blocks led by 1 (scale 1)."""
+    c = torch.cat([torch.zeros(1), 2.0 ** torch.arange(-14, 1, dtype=torch.float32)])
+    mid = (c[1:] + c[:-1]) / 2
+    vals = torch.cat(
+        [
+            c,
+            mid,
+            torch.nextafter(c, torch.zeros_like(c)),
+            torch.nextafter(c, torch.ones_like(c)),
+            torch.tensor([2.0**-6 - 2.0**-30, 2.0**-7 + 2.0**-30, 2.0**-29, 2.0**-30, 2.0**-149, -0.0]),
+        ]
+    )
+    vals = vals[vals <= 1]
+    blocks = [torch.cat([torch.ones(1), b]) for b in torch.cat([vals, -vals]).split(127)]
+    g = torch.cat(blocks)
+    g = torch.cat([g, torch.zeros(256 * ref.num_blocks(g.numel()) - g.numel())])
+    params = [torch.zeros_like(g).to(DEVICE)]
+    hp = dict(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0)
+    _run_both(params, [[g.to(DEVICE)]], "4bit", hp=hp, words=True)
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+def test_4bit_half_blocks_and_small_tensors(pdt):
+    """Sizes in 128-element blocks that do not fill the kernel's 256-element rows (128, 384, 3 x 128), tensors smaller
+    than a block, and a tail inside a row's second block, all in one launch (so the element-wise path)."""
+    gen = torch.Generator().manual_seed(17)
+    shapes = [(128,), (384,), (3, 128), (1,), (5,), (127,), (129,), (200,), (256 + 129,)]
+    params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+    grads = [[_randn(s, torch.float32, gen, scale=1 + k) for s in shapes] for k in range(3)]
+    _run_both(params, grads, "4bit", words=False)
+
+
+def test_4bit_many_small_tensors_one_launch():
+    """More than a hundred tensors smaller than a block, of varied sizes, stepped in one launch."""
+    gen = torch.Generator().manual_seed(18)
+    sizes = torch.randint(1, 130, (120,), generator=gen).tolist()
+    params = [_randn((n,), torch.bfloat16, gen) for n in sizes]
+    grads = [[_randn((n,), torch.bfloat16, gen) for n in sizes] for _ in range(2)]
+    _run_both(params, grads, "4bit")
+
+
+def _guarded(t: torch.Tensor, fill) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``t`` at the start of a larger buffer whose 64 extra elements hold ``fill``: (view, buffer)."""
+    buf = torch.full((t.numel() + 64,), fill, dtype=t.dtype, device=DEVICE)
+    view = buf[: t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, buf
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+@pytest.mark.parametrize("even", [True, False], ids=["whole_blocks", "partial_blocks"])
+def test_4bit_writes_stay_inside_the_tensors(pdt, even):
+    """Parameters and every 4-bit state tensor end where a guard region starts: the kernel's stores (codes, block
+    scales of partial rows and of rows whose second block is past the end, parameters) leave the guards as they
+    were, and the steps match the reference."""
+    gen = torch.Generator().manual_seed(19)
+    shapes = [(256,), (512,), (3, 256)] if even else [(1,), (128,), (129,), (384,), (300,), (512,)]
+    params, states, guards = [], [], []
+    for shape in shapes:
+        p, pbuf = _guarded(_randn(shape, DTYPES[pdt], gen), float("nan"))
+        s = st.init_state(p, "4bit")
+        gs = {"step": s["step"]}
+        for key in ("exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"):
+            gs[key], buf = _guarded(s[key].to(DEVICE), 0xFF if key == "exp_avg_mv" else float("nan"))
+            guards.append((buf, gs[key].numel()))
+        params.append(p)
+        states.append(gs)
+        guards.append((pbuf, p.numel()))
+    before = [buf[n:].clone() for buf, n in guards]
+    init = [(p.clone(), {k: v.clone() for k, v in s.items()}) for p, s in zip(params, states)]
+    grads = [[_randn(s, torch.float32, gen) for s in shapes] for _ in range(2)]
+    for k in range(2):
+        scalars = ref.StepScalars.make(step=k + 1, **HP)
+        adamw_step_(
+            params,
+            grads[k],
+            states,
+            fmt="4bit",
+            scalars=scalars,
+            seed=1,
+            tensor_indices=[*range(len(shapes))],
+            step=k + 1,
+        )
+        for i, (rp, rs) in enumerate(init):
+            ref.adamw_step_ref_(rp, grads[k][i], rs, fmt="4bit", scalars=scalars, seed=1, tensor_index=i, step=k + 1)
+    for (buf, n), b in zip(guards, before):
+        assert same_bits(buf[n:], b), f"a store went past the end of a tensor of {n} elements"
+    for i, (rp, rs) in enumerate(init):
+        assert same_bits(params[i], rp), f"param {i}: {mismatch(params[i], rp)}"
+        for key in ("exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"):
+            assert same_bits(states[i][key], rs[key]), f"{key} of param {i}: {mismatch(states[i][key], rs[key])}"
+
+
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+@pytest.mark.parametrize("tile", [(2, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_4bit_taller_tiles(pdt, tile):
+    """Tiles of several 256-element rows (4 and 8 blocks of 128 per program): block scales, partial last chunks and
+    the row-wise parameter stores, on both load paths."""
+    gen = torch.Generator().manual_seed(20)
+    for shapes, words in (([(2048,), (768,), (3, 256)], True), ([(1000,), (128,), (385,)], False)):
+        params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+        grads = [[_randn(s, torch.float32, gen) for s in shapes] for _ in range(2)]
+        _run_both(params, grads, "4bit", words=words, tile=tile)

@@ -68,7 +68,7 @@ def _assert_same(pa, oa, pb, ob):
             assert same_bits(sa[key], sb[key]), f"{key} of param {i}: {mismatch(sa[key], sb[key])}"
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit", "4bit"])
 def test_engine_matches_torch_path(fmt):
     grads = _grads(5)
     pa, pb = _params(), _params()
@@ -80,7 +80,7 @@ def test_engine_matches_torch_path(fmt):
     assert not ob.state.get(pb[5])
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_engine_whole_blocks_matches_torch_path(fmt):
     """Parameters of whole 256-element blocks (the kernel's word path) in bf16 and fp32, a gradient missing at some
     steps (tensors of a launch at different step counts), bf16 gradients for a bf16 parameter."""
@@ -112,21 +112,22 @@ def test_engine_whole_blocks_matches_torch_path(fmt):
     assert [float(ob.state[p]["step"]) for p in pb] == [4.0, 2.0, 4.0, 4.0]
 
 
-def test_engine_resume_from_state_dict():
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_engine_resume_from_state_dict(fmt):
     """k steps, state_dict, fresh optimizer, continue: equal to an unbroken run, bit for bit."""
     grads = _grads(6)
     pa = _params()
-    oa = _optimizer(pa, "triton", "8bit")
+    oa = _optimizer(pa, "triton", fmt)
     _run(pa, oa, grads)
     pb = _params()
-    ob = _optimizer(pb, "triton", "8bit")
+    ob = _optimizer(pb, "triton", fmt)
     _run(pb, ob, grads[:3])
     sd = ob.state_dict()
     pc = [torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in pb]
     for p in pc:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None
-    oc = _optimizer(pc, "triton", "8bit")
+    oc = _optimizer(pc, "triton", fmt)
     oc.load_state_dict(sd)
     _run(pc, oc, grads[3:])
     _assert_same(pa, oa, pc, oc)
@@ -182,13 +183,13 @@ def _compiled_kernels() -> int | None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_gpu_matches_cpu_reference_without_recompiles(fmt):
     """Kernels on the GPU give the bits of the plain-PyTorch path on the CPU; an lr schedule compiles nothing new."""
     if DEVICE != "cuda":
         pytest.skip("needs the compiled kernels on a GPU")
     gen = torch.Generator().manual_seed(9)
-    shapes = [(4097,), (3, 1000), (1,), (512, 16)]
+    shapes = [(4097,), (3, 1000), (1,), (512, 16), (384,)]
     cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
     gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
     oc = ApexW(cpu, lr=1e-3, state_format=fmt, engine="torch", seed=11)
@@ -224,7 +225,8 @@ def test_host_fp32_rounding_matches_torch():
 
 
 @pytest.mark.gpu
-def test_gpu_later_launches_bypass_the_jit(monkeypatch):
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_gpu_later_launches_bypass_the_jit(monkeypatch, fmt):
     """After a plan's first launch compiles (or finds) its kernel, later steps call the compiled kernel directly; the
     bits stay those of the plain-PyTorch path through a schedule and a change of gradient dtype (a new
     specialization, which goes through the JIT once)."""
@@ -250,8 +252,8 @@ def test_gpu_later_launches_bypass_the_jit(monkeypatch):
     for p in cpu + gpu:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None
-    oc = ApexW(cpu, lr=1e-3, state_format="8bit", engine="torch", seed=3)
-    og = ApexW(gpu, lr=1e-3, state_format="8bit", engine="triton", seed=3)
+    oc = ApexW(cpu, lr=1e-3, state_format=fmt, engine="torch", seed=3)
+    og = ApexW(gpu, lr=1e-3, state_format=fmt, engine="triton", seed=3)
     for step in range(6):
         dtype = torch.bfloat16 if step >= 3 else torch.float32
         for pc, pg in zip(cpu, gpu):
@@ -269,7 +271,8 @@ def test_gpu_later_launches_bypass_the_jit(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_params_on_a_second_device():
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_gpu_params_on_a_second_device(fmt):
     """Parameters on cuda:1 while cuda:0 is current: the kernel runs on their device and gives the reference bits."""
     if DEVICE != "cuda" or torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs")
@@ -277,8 +280,8 @@ def test_gpu_params_on_a_second_device():
     gen = torch.Generator().manual_seed(6)
     cpu = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(1000,), (37, 5)]]
     gpu = [torch.nn.Parameter(p.detach().to("cuda:1")) for p in cpu]
-    oc = ApexW(cpu, lr=1e-3, state_format="8bit", engine="torch", seed=4)
-    og = ApexW(gpu, lr=1e-3, state_format="8bit", engine="triton", seed=4)
+    oc = ApexW(cpu, lr=1e-3, state_format=fmt, engine="torch", seed=4)
+    og = ApexW(gpu, lr=1e-3, state_format=fmt, engine="triton", seed=4)
     for _ in range(3):
         for pc, pg in zip(cpu, gpu):
             pc.grad = torch.randn(pc.shape, generator=gen)

@@ -1,10 +1,11 @@
-"""The kernels' 8-bit codes (format version 2) against the reference, bit for bit.
+"""The kernels' 8-bit codes (format version 2) and 4-bit codes against the reference, bit for bit.
 
 Encoding: every code value, its fp32 neighbours, the midpoints between codes, the subnormal/normal boundary 2**-14
 and the values around it, the exact thresholds where a random offset carries into the next code, 0 and -0, NaN and
 inf blocks, blocks whose scale is subnormal or whose reciprocal overflows, with random words of all-0 bits, all-1
 bits, hashed words and words that set only the bits of one moment. Decoding: all 256 codes under ordinary and special
-scales, one code at a time and four to a word.
+scales, one code at a time and four to a word. The 4-bit codes (both moments in one byte, 128-element blocks) get the
+same treatment at the end of the module.
 """
 
 import pytest
@@ -13,7 +14,17 @@ import triton
 import triton.language as tl
 
 from apexw_hf import reference as ref
-from apexw_hf.kernels._quant import dequant_m, dequant_m_words, dequant_v, dequant_v_words, quant_m, quant_v
+from apexw_hf.kernels._quant import (
+    dequant_m,
+    dequant_m_words,
+    dequant_mv4,
+    dequant_mv4_words,
+    dequant_v,
+    dequant_v_words,
+    quant_m,
+    quant_mv4,
+    quant_v,
+)
 
 from .helpers import DEVICE, mismatch, same_bits
 
@@ -258,3 +269,254 @@ def test_decode_every_code(moment, words):
     c = codes[:256].long()
     mag = ref.minifloat_value(c & 127 if moment == "m" else c, MANT[moment])
     assert torch.equal(one.abs(), mag) and torch.unique(one).numel() >= 240
+
+
+# ---- 4-bit: sign + e3m0 (bias 7) and e4m0 (bias 15) codes in one byte, 128-element blocks ---------------------------
+
+MANT4 = {"m": 0, "v": 0}
+BIAS4 = {"m": ref.M4_BIAS, "v": ref.BIAS}
+CODE_MAX4 = {"m": ref.M4_CODE_MAX, "v": ref.V4_CODE_MAX}
+
+
+@triton.jit
+def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, n, EVEN: tl.constexpr):
+    row = tl.program_id(0)
+    offs = row * 256 + tl.arange(0, 256)[None, :]
+    mask = offs < n
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    bits = tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+    one = (n > 0).to(tl.uint32)
+    c, sm, sv = quant_mv4(m, v, mask, bits, one, EVEN)
+    tl.store(code_ptr + offs, c, mask=mask)
+    blk = row * 2 + tl.arange(0, 2)
+    tl.store(ms_ptr + blk, sm, mask=blk * 128 < n)
+    tl.store(vs_ptr + blk, sv, mask=blk * 128 < n)
+
+
+@triton.jit
+def _decode4_kernel(code_ptr, ms_ptr, vs_ptr, m_ptr, v_ptr, WORDS: tl.constexpr):
+    row = tl.program_id(0)
+    blk = row * 2 + tl.arange(0, 2)
+    ms = tl.load(ms_ptr + blk).to(tl.uint16, bitcast=True)
+    vs = tl.load(vs_ptr + blk).to(tl.uint16, bitcast=True)
+    offs = row * 256 + tl.arange(0, 256)[None, :]
+    if WORDS:
+        w = tl.load(code_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row * 64 + tl.arange(0, 64)[None, :])
+        m, v = dequant_mv4_words(w, ms, vs)
+    else:
+        m, v = dequant_mv4(tl.load(code_ptr + offs), ms, vs)
+    tl.store(m_ptr + offs, m)
+    tl.store(v_ptr + offs, v)
+
+
+def _encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = False):
+    n = m.numel()
+    assert v.numel() == n and (n % 256 == 0 or not even)
+    codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
+    nb = ref.num_blocks(n, ref.BLOCK4)
+    ms = torch.empty(nb, dtype=torch.int16, device=DEVICE)
+    vs = torch.empty(nb, dtype=torch.int16, device=DEVICE)
+    _encode4_kernel[(ref.num_blocks(n),)](
+        m.to(DEVICE),
+        v.to(DEVICE),
+        _int32(bits).to(DEVICE),
+        codes,
+        ms,
+        vs,
+        n,
+        EVEN=even,
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
+    return codes.cpu(), ms.cpu().view(torch.bfloat16), vs.cpu().view(torch.bfloat16)
+
+
+def _check_encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = False) -> None:
+    want, want_ms, want_vs = ref.quantize_mv4(m, v, bits)
+    codes, ms, vs = _encode4(m, v, bits, even)
+    assert same_bits(ms, want_ms), f"m scales: {mismatch(ms, want_ms)}"
+    assert same_bits(vs, want_vs), f"v scales: {mismatch(vs, want_vs)}"
+    bad = (codes != want).nonzero().flatten()
+    if bad.numel():
+        i = bad[0].item()
+        raise AssertionError(
+            f"{bad.numel()} of {m.numel()} bytes differ; first at m={m[i].item()!r} v={v[i].item()!r}, word "
+            f"{bits[i].item():#010x}: kernel {codes[i].item():#04x}, reference {want[i].item():#04x}"
+        )
+
+
+def _code_values4(moment: str) -> torch.Tensor:
+    return ref.minifloat_value(torch.arange(CODE_MAX4[moment] + 1), 0, BIAS4[moment])
+
+
+def _boundary_values4(moment: str) -> torch.Tensor:
+    """Magnitudes in [0, 1]: the code values, 1 and 2 ulps either side, the midpoints between codes, the
+    subnormal/normal boundary (2**-6 for m, 2**-14 for v), ties of ``y + boundary`` (odd multiples of half its ulp)
+    and tiny values (a nonzero v must not get code 0)."""
+    c = _code_values4(moment)
+    zero, one = torch.zeros_like(c), torch.ones_like(c)
+    dn1, up1 = torch.nextafter(c, zero), torch.nextafter(c, one)
+    dn2, up2 = torch.nextafter(dn1, zero), torch.nextafter(up1, one)
+    mid = (c[1:] + c[:-1]) / 2
+    b = 2.0 ** (1 - BIAS4[moment])
+    ulp = b * 2.0**-23  # of y + b
+    near = torch.tensor(
+        [b, b / 2, b / 4, b * 0.75, b - ulp, b - ulp / 2, b - 3 * ulp / 2, ulp, ulp / 2, 3 * ulp / 2, ulp / 4]
+        + [2.0**-149, 2.0**-130, 2.0**-127, 2.0**-126, 0.0, 1.0],
+        dtype=torch.float32,
+    )
+    near = torch.cat(
+        [near, torch.nextafter(near, zero[:1].expand_as(near)), torch.nextafter(near, one[:1].expand_as(near))]
+    )
+    vals = torch.cat([c, dn1, up1, dn2, up2, mid, near])
+    return vals[(vals >= 0) & (vals <= 1)]
+
+
+def _blocks4_led_by_one(vals: torch.Tensor, signs: bool) -> torch.Tensor:
+    """128-element blocks of 127 values, each led by 1.0 (scale 1, ``y`` the value itself); with ``signs`` every other
+    value is negated (0 becomes -0 there)."""
+    if signs:
+        vals = vals.clone()
+        vals[1::2] = -vals[1::2]
+    return torch.cat([torch.cat([torch.ones(1), b]) for b in vals.split(127)])
+
+
+def _other_moment(moment: str, n: int) -> torch.Tensor:
+    """Ordinary values for the moment not under test (v >= 0)."""
+    x = torch.rand(n, generator=torch.Generator().manual_seed(n))
+    return x if moment == "m" else x * torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).sign()
+
+
+def _both(moment: str, x: torch.Tensor):
+    """(m, v) with ``x`` as the moment under test."""
+    y = _other_moment(moment, x.numel())
+    return (x, y) if moment == "m" else (y, x)
+
+
+@pytest.mark.parametrize("words", ["zeros", "ones", "own_bits", "other_bits", "hashed"])
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_4bit_code_boundaries(moment, words):
+    x = _blocks4_led_by_one(_boundary_values4(moment), signs=moment == "m")
+    _check_encode4(*_both(moment, x), _words(x.numel(), words, moment))
+
+
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_4bit_every_code_is_exact(moment):
+    """Exactly representable values keep their code whatever the random bits (all 0 and all 1)."""
+    c = _code_values4(moment)
+    x = _blocks4_led_by_one(c, signs=False)
+    x = torch.cat([x, torch.zeros(256 - x.numel())])
+    m, v = _both(moment, x)
+    shift = 0 if moment == "m" else 4
+    for kind in ("zeros", "ones"):
+        codes, _, _ = _encode4(m, v, _words(x.numel(), kind, moment))
+        got = (codes[1 : c.numel() + 1].long() >> shift) & 15
+        assert torch.equal(got, torch.arange(c.numel())), f"{moment}, words {kind}"
+        _check_encode4(m, v, _words(x.numel(), kind, moment), even=True)
+
+
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_4bit_rounding_thresholds(moment):
+    """For each code step and several random values ``r``: the value whose dropped bits plus the offset reach the next
+    code exactly, and its neighbours one ulp either side (the word carries exactly those random bits); in the normal
+    range and below the subnormal boundary (there in units of the ulp of ``y + boundary``)."""
+    shift, nbits = RAND[moment]
+    ys, ws = [], []
+    base = _code_values4(moment)[1 : CODE_MAX4[moment]]  # normal codes below 1.0
+    ulp = 2.0 ** (1 - BIAS4[moment]) * 2.0**-23
+    for r in (0, 1, (1 << (nbits - 1)) - 1, 1 << (nbits - 1), (1 << nbits) - 2, (1 << nbits) - 1):
+        offset = (r << (23 - nbits)) | (1 << (22 - nbits))
+        for delta in (-1, 0, 1):
+            ys.append(_f32_bits(base.view(torch.int32).long() + ((1 << 23) - offset) + delta))
+            ys.append(torch.tensor([((1 << 23) - offset + delta) * ulp], dtype=torch.float32))
+            ws.append(torch.full((base.numel() + 1,), r << shift, dtype=torch.int64))
+    y, w = torch.cat(ys), torch.cat(ws)
+    x = _blocks4_led_by_one(y, signs=moment == "m")
+    bits = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), b]) for b in w.split(127)])
+    _check_encode4(*_both(moment, x), bits)
+    codes, _, _ = _encode4(*_both(moment, x), bits)
+    assert codes.unique().numel() > base.numel()  # the thresholds do decide
+
+
+def _special_blocks4(moment: str) -> torch.Tensor:
+    """128-element blocks whose scale is special (as for 8 bits), then a tail."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = []
+
+    def block(*lead, scale=1.0):
+        b = torch.rand(128, generator=gen) * scale
+        if moment == "m":
+            b = b * torch.randn(128, generator=gen).sign()
+        for i, x in enumerate(lead):
+            b[i] = x if moment == "m" or x != x else abs(x)
+        blocks.append(b)
+
+    nan, inf = float("nan"), float("inf")
+    block(nan, -0.0, 0.0, 1e-30, 2.0**-149)
+    block(-nan if moment == "m" else _f32_bits(0xFFC00000).item(), 5.0)
+    block(_f32_bits(0x7FFFFFFF).item(), 5.0)
+    block(inf, 0.0, 3e38, -1.0, 2.0**-149)
+    block(3.3e38, 2.0, 1e-38)
+    block(3.0, 1.0, 2.0, 3.0 * (1 - 2**-24))
+    block(1.0001, 1.0, 0.5)
+    block(2.0**-140, 0.0, 2.0**-149, scale=2.0**-141)
+    block(2.0**-127, 0.0, 2.0**-149, 2.0**-140, scale=2.0**-128)
+    block(2.0**126, 2.0**100, scale=2.0**100)
+    block(2.0**122, 2.0**121, 1.0, scale=2.0**120)  # m decodes past 2**120 (the fp16 path's factor 256)
+    block(0.0, scale=0.0)
+    if moment == "m":
+        block(-0.0, -1e-30, -(2.0**-149), 0.0, 1e-30, scale=0.0)
+        block(-1.0, -(2.0**-6), -(2.0**-7), 2.0**-7, -0.0)
+    else:
+        block(1.0, 2.0**-14, 2.0**-15, 2.0**-40, 2.0**-149)  # nonzero v far below the smallest code
+    return torch.cat(blocks)
+
+
+@pytest.mark.parametrize("tail", [0, 77, 128, 128 + 77], ids=["none", "77", "128", "205"])
+@pytest.mark.parametrize("words", ["zeros", "ones", "hashed"])
+@pytest.mark.parametrize("moment", ["m", "v"])
+def test_4bit_special_blocks_and_tail(moment, words, tail):
+    """Special scales, and a tail that ends inside a row's first block, at its end (the row's second block empty)
+    or inside its second block."""
+    x = _special_blocks4(moment)
+    x = torch.cat([x, x[: 256 - x.numel() % 256]]) if x.numel() % 256 else x  # whole rows, then the tail
+    gen = torch.Generator().manual_seed(tail)
+    x = torch.cat(
+        [x, torch.rand(tail, generator=gen) * (torch.randn(tail, generator=gen).sign() if moment == "m" else 1)]
+    )
+    _check_encode4(*_both(moment, x), _words(x.numel(), words, moment), even=tail == 0)
+
+
+SCALES4 = SCALES + [2.0**120, 2.0**121, 3.3e38 / 2]
+
+
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_4bit_decode_every_byte(words):
+    """All 256 bytes (every m code with every v code) under every pair of ordinary and special scales."""
+    gen = torch.Generator().manual_seed(1)
+    k = len(SCALES4)
+    codes = torch.stack([torch.randperm(256, generator=gen) for _ in range(k)]).to(torch.uint8).reshape(-1)
+    ms = torch.tensor([SCALES4[i % k] for i in range(2 * k)], dtype=torch.float32).to(torch.bfloat16)
+    vs = torch.tensor([SCALES4[(i + 3) % k] for i in range(2 * k)], dtype=torch.float32).to(torch.bfloat16)
+    want_m, want_v = ref.dequantize_mv4(codes, ms, vs)
+    m = torch.empty(codes.numel(), dtype=torch.float32, device=DEVICE)
+    v = torch.empty_like(m)
+    _decode4_kernel[(k,)](
+        codes.to(DEVICE),
+        ms.view(torch.int16).to(DEVICE),
+        vs.view(torch.int16).to(DEVICE),
+        m,
+        v,
+        WORDS=words,
+        num_warps=1,
+        enable_fp_fusion=False,
+    )
+    assert same_bits(m.cpu(), want_m), mismatch(m.cpu(), want_m)
+    assert same_bits(v.cpu(), want_v), mismatch(v.cpu(), want_v)
+    # the values under scale 1 are the code values (signed for m): a wrong decoder cannot match by accident
+    bm, bv = slice(0, 128), slice(128 * (2 * k - 3), 128 * (2 * k - 2))  # blocks with m scale 1, with v scale 1
+    assert float(ms[0]) == 1.0 and float(vs[2 * k - 3]) == 1.0
+    assert torch.equal(want_m[bm].abs(), ref.minifloat_value(codes[bm].long() & 7, 0, ref.M4_BIAS))
+    assert torch.equal(want_v[bv], ref.minifloat_value(codes[bv].long() >> 4, 0, ref.BIAS))
+    assert torch.unique(want_m[bm]).numel() == 15 and torch.unique(want_v[bv]).numel() == 16
