@@ -45,7 +45,7 @@ def _run(engine, fmt, dtype):
     return model, opt, skipped
 
 
-@pytest.mark.parametrize("fmt", ["compact", "8bit"])
+@pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_grad_scaler_clipping_accumulation_schedule(fmt, dtype):
     m_torch, o_torch, skipped = _run("torch", fmt, dtype)
