@@ -88,6 +88,23 @@ def _moment_keys(fmt: str) -> tuple[str, ...]:
     return (MV4_KEY,) if fmt == "4bit" else ("exp_avg", "exp_avg_sq")
 
 
+# The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):
+# only fp32 state with fp32 parameters matched the reference; every path with random bits gave other bits (NaN
+# parameters among them). Until that is found and fixed, those paths refuse CUDA tensors instead of training wrongly.
+_CUDA_REFUSED = (
+    "ApexW's plain-PyTorch engine (engine='torch', or engine='auto' on CUDA without triton) does not yet compute the "
+    "reference's results on CUDA devices for state_format={fmt!r} with {dtype} parameters (on an H200 it gave wrong "
+    "bits, NaN among them). Install triton and use engine='auto' or 'triton' (the Triton kernels, checked bit for "
+    "bit on the GPU), or step these parameters on the CPU; state_format='fp32' with float32 parameters is the one "
+    "combination this engine runs correctly on CUDA"
+)
+
+
+def cuda_verified(fmt: str, dtype: torch.dtype) -> bool:
+    """Whether this engine's results on CUDA were checked equal to the reference (see ``_CUDA_REFUSED``)."""
+    return fmt == "fp32" and dtype == torch.float32
+
+
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
@@ -326,6 +343,8 @@ class TorchEngine:
         if not params:
             return
         opt = self.optimizer
+        if params[0].is_cuda and not cuda_verified(group["state_format"], params[0].dtype):
+            raise RuntimeError(_CUDA_REFUSED.format(fmt=group["state_format"], dtype=params[0].dtype))
         hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
         for p, g in zip(params, grads):
             if g.is_sparse:
