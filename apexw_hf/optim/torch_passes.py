@@ -5,6 +5,10 @@ preallocated scratch, with the same bits: the random words, stochastic rounding 
 (format version 2). Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
 and for integer ops it also takes a slower, unvectorized path. No fused multiply-add anywhere: ``addcmul`` and
 ``add(alpha=)`` on floats are fused in torch's CPU kernels, so only plain ``mul``/``add``/``div`` touch fp32 values.
+No ``out=`` tensor of another dtype than the operands either: the CPU computes in the operands' dtype and casts the
+result, but CUDA runs many kernels (the shifts among them) in the output's dtype and casts the operands to it, so
+``bitwise_right_shift(int32, 16, out=int16)`` truncates before it shifts and gives 0 or -1 (the bf16 NaN 0xFFFF) on a
+GPU. The top 16 bits of int32 words are instead a strided int16 view of them (:func:`high_halves`), copied as int16.
 
 8-bit encoding (``reference.minifloat_code``) without a select. The reference codes the fp32 bits of ``y`` for
 ``y >= 2**-14`` and those of ``fl(y + 2**-14)`` with the exponent lowered by one below, that is the bits of
@@ -37,6 +41,7 @@ and the codes are scaled by ``2**8`` instead.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
@@ -66,6 +71,7 @@ M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V_RA
 M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 12
 M4_SIGN_ALPHA = -8  # 127 * -8 = 8 (mod 256): the bits of 1.0 times this set the sign bit of the m code
 M4_DECODE_SCALE_MAX = 2.0**120  # below this, 2**8 * scale is finite (and exact)
+_HIGH_HALF = 1 if sys.byteorder == "little" else 0  # the int16 of an int32 that holds its top 16 bits
 assert (M4_OFFSET + 16 * V4_OFFSET) % 256 == 0 and (127 * M4_SIGN_ALPHA) % 256 == ref.M4_SIGN
 
 
@@ -296,13 +302,22 @@ def full_bits(b: Buffers) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, c: Consts, out: torch.Tensor) -> None:
+def bf16_stochastic(x: torch.Tensor, rand: torch.Tensor, t: torch.Tensor, out: torch.Tensor) -> None:
     """``reference.round_to_bf16_stochastic`` of non-NaN ``x``: the top 16 bits of (bits of x + 16 random bits).
 
     ``rand``: int32 in [0, 2**16); ``t`` may be ``rand``.
     """
     torch.add(x.view(torch.int32), rand, out=t)
-    torch.bitwise_right_shift(t, c.s16, out=out.view(torch.int16))  # int32 -> int16 keeps the low 16 bits
+    out.view(torch.int16).copy_(high_halves(t))
+
+
+def high_halves(words: torch.Tensor) -> torch.Tensor:
+    """The top 16 bits of each word of the contiguous 1-D int32 ``words``: an int16 view of them (stride 2).
+
+    Copied into an int16 tensor, these are ``words >> 16`` stored as int16 on every device; the shift with an int16
+    ``out=`` is not (module docstring: CUDA casts the words to int16 first).
+    """
+    return words.view(torch.int16)[_HIGH_HALF::2]
 
 
 # ---- 8-bit state ------------------------------------------------------------------------------------------------
@@ -344,9 +359,9 @@ def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, 
     # round up to bf16 on the bits (finite, non-negative): the fp32 bits of the scale, then its bf16 bits
     torch.add(b.amax_i, c.bf16_up, out=b.s_i).bitwise_and_(c.high16)
     if scales2 is not None:
-        torch.bitwise_right_shift(b.s_i, c.s16, out=scales2.view(torch.int16))
+        scales2.view(torch.int16).copy_(high_halves(b.s_i))
     else:
-        torch.bitwise_right_shift(b.s_i, c.s16, out=b.scale16)
+        b.scale16.copy_(high_halves(b.s_i))
         m_scale_out.copy_(b.m_scale)
         v_scale_out.copy_(b.v_scale)
     torch.reciprocal(b.s_f, out=b.inv)

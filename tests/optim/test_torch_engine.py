@@ -13,6 +13,7 @@ import tempfile
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from apexw_hf import ApexW, reference
 from apexw_hf.optim import dtensor as dt
@@ -127,6 +128,60 @@ def test_default_chunk_size(fmt):
     values, grads = _random([(2 * n + 300,), (257,), (3, 5)], steps=2, seed=1)
     opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt, lr=1e-2)
     _run(opt_a, pa, opt_b, pb, grads)
+    assert_same(opt_a, pa, opt_b, pb)
+
+
+# ops that write another dtype by definition, or take a bool mask: no cast of their operands to emulate
+_WRITES_ANY_DTYPE = {"aten::copy_", "aten::_to_copy", "aten::cat", "aten::index_put_", "aten::masked_fill_"}
+
+
+class _CudaKernelDtypes(TorchDispatchMode):
+    """CUDA's choice of the dtype an elementwise kernel computes in, on the CPU.
+
+    For a result written into a tensor of another dtype than its operands (an ``out=`` tensor, or ``self`` of an
+    in-place op), the CPU computes in the operands' promoted dtype and casts the result; many CUDA kernels (the shifts,
+    ``maximum``, ...) run in the written tensor's dtype and cast the operands to it on load, so that
+    ``bitwise_right_shift(int32, 16, out=int16)`` is 0 or -1 there. Here every such op casts its operands first.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        dst = kwargs.get("out")
+        if dst is None and name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            dst = args[0]
+        if isinstance(dst, torch.Tensor) and dst.dtype != torch.bool and name not in _WRITES_ANY_DTYPE:
+
+            def cast(x):
+                ok = not isinstance(x, torch.Tensor) or x is dst or x.dtype in (dst.dtype, torch.bool)
+                return x if ok else x.to(dst.dtype)
+
+            args = tuple(cast(a) for a in args)
+            kwargs = {k: v if k == "out" else cast(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference_with_cuda_semantics(small_chunks, monkeypatch, fmt, dtype):
+    """The engine's bits hold under the semantics a CUDA device gives its operations where they differ from the
+    CPU's: the kernel dtype of a mixed-dtype write (an int32 shift into int16 gave NaN bf16 parameters on an H200),
+    and the square root from ``reference.sqrt_rn`` instead of NumPy."""
+    init = torch_passes.Buffers.__init__
+
+    def on_device(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.cpu = False
+
+    monkeypatch.setattr(torch_passes.Buffers, "__init__", on_device)
+    values, grads = _random(SHAPES + [(8193,)], steps=3, seed=3)
+    opt_a, pa, opt_b, pb = _twins(values, dtype, lr=1e-2, weight_decay=0.1, state_format=fmt, seed=3)
+    for row in grads:
+        for x, y, g in zip(pa, pb, row):
+            x.grad, y.grad = g.to(dtype), g.to(dtype)
+        with _CudaKernelDtypes():
+            opt_a.step()
+        reference_step(opt_b)
     assert_same(opt_a, pa, opt_b, pb)
 
 
