@@ -43,17 +43,19 @@ EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and thos
 QUANTIZED = (*EIGHT_BIT, "4bit")  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 STATE_KEYS = (*MOMENT_KEYS, MV4_KEY, *SCALE_KEYS)  # every tensor key of some layout, besides "step"
-_MOMENT_DTYPES = {
+MOMENT_DTYPES = {
     "fp32": (torch.float32, torch.float32),
     "compact": (torch.bfloat16, torch.bfloat16),
     "8bit": (torch.uint8, torch.uint8),
     "8bit_v1": (torch.int8, torch.uint8),
+    "4bit": (torch.uint8,),
 }
+SCALE_BLOCKS = {"8bit": ref.BLOCK, "8bit_v1": ref.BLOCK, "4bit": ref.BLOCK4}  # elements per block scale
 
 
-def block_of(fmt: str) -> int:
-    """Elements per block scale of a quantized layout: 128 for ``4bit``, 256 for the 8-bit ones."""
-    return ref.BLOCK4 if fmt == "4bit" else ref.BLOCK
+def moment_keys(fmt: str) -> tuple[str, ...]:
+    """The state keys of a format's moments (4-bit: both in one tensor)."""
+    return (MV4_KEY,) if fmt == "4bit" else MOMENT_KEYS
 
 
 def init_state(p: torch.Tensor, fmt: str) -> dict:
@@ -75,7 +77,7 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
         state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
     elif fmt == "4bit":
-        nb = ref.num_blocks(p.numel(), ref.BLOCK4)
+        nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
         state[MV4_KEY] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
         state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
@@ -123,12 +125,9 @@ def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
 
 def _layout(p: torch.Tensor, fmt: str) -> dict:
     """(dtype, global shape) of each state tensor of format ``fmt`` for ``p``."""
-    if fmt == "4bit":
-        out = {MV4_KEY: (torch.uint8, p.shape)}
-    else:
-        out = dict(zip(MOMENT_KEYS, ((d, p.shape) for d in _MOMENT_DTYPES[fmt])))
+    out = dict(zip(moment_keys(fmt), ((d, p.shape) for d in MOMENT_DTYPES[fmt])))
     if fmt in QUANTIZED:
-        block = block_of(fmt)
+        block = SCALE_BLOCKS[fmt]
         if dt.is_dtensor(p):
             nb = dt.max_local_blocks(p, block) * dt.shard_count(p)
         else:

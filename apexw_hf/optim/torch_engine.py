@@ -63,7 +63,7 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 from .hparams import step_hparams
-from .state import MV4_KEY, SCALE_KEYS
+from .state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_KEYS, STATE_KEYS, moment_keys
 from .torch_passes import (
     Scratch,
     bf16_stochastic,
@@ -79,13 +79,6 @@ from .torch_passes import (
 )
 
 CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 13 MiB of scratch in all
-_STATE_KEYS = ("exp_avg", "exp_avg_sq", MV4_KEY, *SCALE_KEYS)  # every state tensor of any format
-_BLOCKS = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}  # elements per scale of the quantized formats
-
-
-def _moment_keys(fmt: str) -> tuple[str, ...]:
-    """The state keys of a format's moments (4-bit: both in one tensor)."""
-    return (MV4_KEY,) if fmt == "4bit" else ("exp_avg", "exp_avg_sq")
 
 
 # The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):
@@ -163,12 +156,12 @@ class _Layout:
     def __init__(self, opt, group, members, states, scratch: Scratch):
         self.members = members
         self.fmt = group["state_format"]
-        self.block = _BLOCKS.get(self.fmt)  # None for unquantized moments
+        self.block = SCALE_BLOCKS.get(self.fmt)  # None for unquantized moments
         self.dtype = members[0].dtype
         self.local_states = [dt.local_view(s, p) if dt.is_dtensor(p) else s for p, s in zip(members, states)]
         self.fast, self.slow = [], []
         for i, (p, s) in enumerate(zip(members, self.local_states)):
-            tensors = [dt.local(p)] + [s[k] for k in _STATE_KEYS if k in s]
+            tensors = [dt.local(p)] + [s[k] for k in STATE_KEYS if k in s]
             (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
         self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(members[i])) for i in self.fast]
         self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
@@ -192,8 +185,8 @@ class _Layout:
         """
         n, fmt, blk = ch.length, self.fmt, self.block
         dev = self.locals[0].device
-        mdtype = {"fp32": torch.float32, "compact": torch.bfloat16, "8bit": torch.uint8, "4bit": torch.uint8}[fmt]
-        keys = _moment_keys(fmt)
+        mdtype = MOMENT_DTYPES[fmt][0]
+        keys = moment_keys(fmt)
         mom = torch.zeros(len(keys) * n, dtype=mdtype, device=dev)
         nb = n // blk if blk else 0
         scl = torch.zeros(2 * nb, dtype=torch.bfloat16, device=dev) if blk else None
@@ -242,7 +235,7 @@ class _Layout:
         if ch.direct:
             seg = ch.segs[0]
             io["p"] = piece(self.locals[seg[0]], (*seg[:4], False))
-            for key in _STATE_KEYS:
+            for key in STATE_KEYS:
                 if key in st[seg[0]]:
                     io[key] = piece(st[seg[0]][key], (*seg[:4], False), scale=key.endswith("_scale"))
             return io
@@ -275,7 +268,7 @@ class _Layout:
         rest = [seg for j, seg in enumerate(ch.segs) if j not in moved]
         n, nb = ch.length, ch.length // blk if blk else 0
         dst, src = [], []
-        for key, at in zip(_moment_keys(fmt), (0, n)):
+        for key, at in zip(moment_keys(fmt), (0, n)):
             for seg in rest:
                 slot, a, k, o, whole = seg
                 dst.append(mom[at + o : at + o + k])
@@ -316,7 +309,7 @@ class _GroupPlan:
             for idx in by_kind.values()
         ]
         # after the layouts, which may move state (_flatten); a state tensor replaced since makes a new plan
-        self.moments = [s.get(key) for s in states for key in _STATE_KEYS]
+        self.moments = [s.get(key) for s in states for key in STATE_KEYS]
 
 
 class TorchEngine:
@@ -365,7 +358,7 @@ class TorchEngine:
             and cached.seed == group["seed"]
             and len(step_tensors) == len(cached.step_views)
             and all(map(operator.is_, step_tensors, cached.step_views))
-            and all(map(operator.is_, (s.get(key) for s in states for key in _STATE_KEYS), cached.moments))
+            and all(map(operator.is_, (s.get(key) for s in states for key in STATE_KEYS), cached.moments))
         ):
             # The same params step again, with the same state: their step counters are views of one buffer.
             cached.steps.add_(1.0)
@@ -546,7 +539,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         else:
             bf16_stochastic(M, b.t, b.t, m_state)
             bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, v_state)
-    elif fmt in _BLOCKS:
+    elif fmt in SCALE_BLOCKS:
         sign_and_abs(b, c)
         path = block_scales(b, c, m_scale, v_scale, scales2, four_bit=four)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)

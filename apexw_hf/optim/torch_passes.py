@@ -5,8 +5,10 @@ preallocated scratch, with the same bits: the random words, stochastic rounding 
 (format version 2). Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
 and for integer ops it also takes a slower, unvectorized path. No fused multiply-add anywhere: ``addcmul`` and
 ``add(alpha=)`` on floats are fused in torch's CPU kernels, so only plain ``mul``/``add``/``div`` touch fp32 values.
-No ``out=`` tensor of another dtype than the operands either: the CPU computes in the operands' dtype and casts the
-result, but CUDA runs many kernels (the shifts among them) in the output's dtype and casts the operands to it, so
+No arithmetic or shift writes an ``out=`` tensor of another dtype than its operands either (the comparisons written
+as fp32 1.0/0.0, ``sign_and_abs``, are the exception, and not yet run on a GPU): the CPU computes in the operands'
+dtype and casts the result, but CUDA runs many kernels (the shifts among them) in the output's dtype and casts the
+operands to it, so
 ``bitwise_right_shift(int32, 16, out=int16)`` truncates before it shifts and gives 0 or -1 (the bf16 NaN 0xFFFF) on a
 GPU. The top 16 bits of int32 words are instead a strided int16 view of them (:func:`high_halves`), copied as int16.
 
