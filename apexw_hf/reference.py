@@ -411,6 +411,18 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     return mv, sm, sv
 
 
+def v4_decay_per_step(beta2: float) -> float:
+    """Expected decay factor per step of a 4-bit ``v`` that sits on a code below its block's maximum and gets zero
+    gradients: ``v * beta2`` (fp32) keeps its code or moves one binade down, with the probability that
+    :func:`quantize_mv4`'s 10 random bits give it, so ``v`` shrinks on average by ``1 - P(down) / 2`` a step, where
+    torch AdamW's shrinks by ``beta2``. ``P(down)`` is a multiple of 2**-10: at ``beta2 = 0.999`` 2**-9 (``1 -
+    2**-10`` a step, 0.99902), from ``1 - 2**-12`` on 0 (no decay)."""
+    y = torch.full((1 << V_RAND_BITS,), float(torch.tensor(beta2, dtype=torch.float32)))
+    words = torch.arange(1 << V_RAND_BITS, dtype=torch.int64) << V_RAND_SHIFT
+    codes = minifloat_code(y, _rand_offset(words, V_RAND_SHIFT, V_RAND_BITS, 23), 0, BIAS)
+    return 1.0 - (codes < V4_CODE_MAX).double().mean().item() / 2
+
+
 def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
     """fp32 (m, v) of 4-bit codes ``mv`` (uint8, both moments per byte) and their bf16 block scales."""
     c = _blocks(mv.to(torch.int64), BLOCK4)

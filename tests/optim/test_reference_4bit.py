@@ -242,6 +242,20 @@ def test_v_keeps_decaying_at_beta2_0999_with_zero_gradients():
     assert (state["exp_avg_mv"] & 15 == 0).all()
 
 
+def test_v_decay_per_step_follows_the_codes():
+    """``v4_decay_per_step`` is the halving probability of the spec's own codes (as measured in the test above),
+    close to beta2 at 0.999, a multiple of 2**-11 below 1, and 1 (no decay) from beta2 = 1 - 2**-12 on."""
+    for beta2 in (0.99, 0.999, 0.9995, 0.9997, 1 - 2**-12, 0.9999):
+        b = float(torch.tensor(beta2, dtype=torch.float32))
+        stay = (_code_v(torch.full((1024,), b), torch.arange(1024)) == 15).double().mean().item()
+        assert ref.v4_decay_per_step(beta2) == 1 - (1 - stay) / 2
+        assert (1 - ref.v4_decay_per_step(beta2)) * 2**11 == round((1 - ref.v4_decay_per_step(beta2)) * 2**11)
+    assert abs(ref.v4_decay_per_step(0.999) - 0.999) < 3e-5
+    assert ref.v4_decay_per_step(0.99975) == 1 - 2**-11
+    assert ref.v4_decay_per_step(1 - 2**-12) == 1.0
+    assert ref.v4_decay_per_step(0.9999) == 1.0
+
+
 def test_state_bytes():
     """1 byte per parameter plus 2 * 2 bytes per block of 128 (and the 4-byte step counter), exactly; the LoRA
     Llama-3.2-3B tensor set (392 tensors) in at most 25.0 MiB."""
