@@ -268,6 +268,13 @@ def readme_table() -> str:
     H200 quality grid and of the CPU grid."""
     folder = _latest("full_finetune_h200/speed_*")
     cpu = RESULTS / "offline_full"
+    cpu_folders = [cpu, *sorted((RESULTS / "offline_full_extra").glob("*"))] if cpu.exists() else []
+    cpu_runs = [r for f in cpu_folders for r in _runs(f) if r.get("status") == "ok"]
+    best = best_learning_rates(cpu_runs) if cpu_runs else {}
+    cpu_seeds = max(
+        (sum(1 for x in cpu_runs if x["optimizer"] == o and x["learning_rate"] == b["lr"]) for o, b in best.items()),
+        default=0,
+    )
     quality = _same_setup("full_finetune_h200/quality*")
     h200_runs = [r for f in quality for r in _runs(f) if r.get("status") == "ok"]
     h200_best = best_learning_rates(h200_runs) if h200_runs else {}
@@ -275,13 +282,11 @@ def readme_table() -> str:
     lines = [
         "| optim | model dtype | H200 peak GiB (Llama-3.2-1B shapes) | bytes/param before activations | "
         f"H200 grid: val loss at best lr, {h200_seeds} seeds | "
-        "`offline_full` CPU grid: val loss at best lr, 3 seeds (torch AdamW for-loop for fused) |",
+        f"`offline_full` CPU grid: val loss at best lr, {cpu_seeds} seeds (torch AdamW for-loop for fused) |",
         "|---|---|---:|---:|---:|---:|",
     ]
     found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"} if folder else {}
     gpu = {o: found[o] for o in _order(folder, found)} if folder else {}
-    cpu_runs = [r for r in _runs(cpu) if r.get("status") == "ok"] if cpu.exists() else []
-    best = best_learning_rates(cpu_runs) if cpu_runs else {}
     for spec, r in gpu.items():
         cpu_spec = spec.replace("adamw_torch_fused", "adamw_torch")
         val = "-"
@@ -291,7 +296,7 @@ def readme_table() -> str:
                 for x in cpu_runs
                 if x["optimizer"] == cpu_spec and x["learning_rate"] == best[cpu_spec]["lr"]
             ]
-            val = _ms(at)
+            val = f"{_ms(at)} (lr {best[cpu_spec]['lr']:g})"
         gval = "-"
         if spec in h200_best and _incomplete(h200_runs, spec):
             gval = "(incomplete sweep)"
