@@ -96,6 +96,7 @@ class Consts:
         self.bf16_up, self.high16 = i(0xFFFF), i(~0xFFFF)
         self.u8_one = torch.tensor(1, dtype=torch.uint8, device=device)
         self.i_one = i(1)
+        self.key = i(0)  # a chunk's hash constant (hash_into): an int32 0-dim tensor, not a slower Python int
         # 8-bit encoding, per moment: 2**k, 2**(k-15), the random offset (reference._rand_offset), the code shift
         self.k_col = col([2.0**M_K, 2.0**V_K], torch.float32)
         self.add_col = col([2.0 ** (M_K - 15), 2.0 ** (V_K - 15)], torch.float32)
@@ -105,7 +106,7 @@ class Consts:
         self.shift_col = col([M_SHIFT, V_SHIFT], torch.int32)
         # 8-bit decoding: fp16 bits of the codes (m: sign-extended, bit 7 to 15; v: zero-extended)
         self.dec_shift_col = col([7, 6], torch.int16)
-        self.dec_mask_col = col([~0x4000, -1], torch.int16)
+        self.dec_mask_m = torch.tensor(~0x4000, dtype=torch.int16, device=device)
         # 4-bit encoding, per moment (as above); the exponent field of v code 0, and v code 1's value times 2**k
         self.k4_col = col([2.0**M4_K, 2.0**V4_K], torch.float32)
         self.add4_col = col([2.0 ** (M4_K - ref.M4_BIAS), 2.0 ** (V4_K - ref.BIAS)], torch.float32)
@@ -211,8 +212,10 @@ class Scratch:
             setattr(self, name, e(size, torch.float32))
         for name in Buffers.I32:
             setattr(self, name, e(size, torch.int32))
-        self.mv, self.u, self.r = e(2 * size, torch.float32), e(2 * size, torch.float32), e(2 * size, torch.int32)
-        self.x16, self.nz = e(2 * size, torch.int16), e(size, torch.uint8)
+        self.mv, self.u = e(2 * size, torch.float32), e(2 * size, torch.float32)
+        # never live at the same time as u (Buffers), so they share its memory: a smaller footprint in the caches
+        self.r, self.x16 = self.u.view(torch.int32), self.u.view(torch.int16)[: 2 * size]
+        self.nz = e(size, torch.uint8)
         nb = -(-size // min(_BLOCK, ref.BLOCK4))  # per-block buffers for the smaller block
         self.amax, self.s_i, self.scale16 = e(2 * nb, torch.float32), e(2 * nb, torch.int32), e(2 * nb, torch.int16)
         self.inv, self.fac, self.sdec = e(2 * nb, torch.float32), e(2 * nb, torch.float32), e(2 * nb, torch.float32)
@@ -263,7 +266,7 @@ def hash_into(b: Buffers, c: Consts, segs, keys, *, top: bool = True, low: bool 
     h, t = b.h, b.t
     if len(segs) == 1:
         _, a, _, o = segs[0][:4]
-        torch.add(b.base, rnd.to_int32(keys[0] + (a - o) * rnd.GOLDEN), out=h)
+        torch.add(b.base, c.key.fill_(rnd.to_int32(keys[0] + (a - o) * rnd.GOLDEN)), out=h)
     else:
         ds = [(key + (seg[1] - seg[3]) * rnd.GOLDEN) & rnd.MASK32 for seg, key in zip(segs, keys)]
         counts = b.block_counts(tuple(seg[3] for seg in segs))
@@ -341,7 +344,8 @@ def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scale
     b.x16_m.copy_(m_codes.view(torch.int8))  # sign-extends: a negative code c becomes 0xFF00 | c
     b.x16_v.copy_(v_codes)  # zero-extends
     # m: bit 7 lands on 14 and the sign extension on 15, so clear 14; v: the shift alone
-    b.x16_2.bitwise_left_shift_(c.dec_shift_col).bitwise_and_(c.dec_mask_col)
+    b.x16_2.bitwise_left_shift_(c.dec_shift_col)
+    b.x16_m.bitwise_and_(c.dec_mask_m)
     b.mv.copy_(b.x16_f16)
     b.mv_b.mul_(b.sdec_col)
 
