@@ -537,8 +537,8 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             m_state.copy_(ref.round_to_bf16_stochastic(M, bits))
             v_state.copy_(ref.round_to_bf16_stochastic(V, (bits & 0xFFFF) << 16))
         else:
-            bf16_stochastic(M, b.t, b.t, m_state)
-            bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, v_state)
+            bf16_stochastic(M, b.t, b.t, m_state, c)
+            bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, v_state, c)
     elif fmt in SCALE_BLOCKS:
         sign_and_abs(b, c)
         path = block_scales(b, c, m_scale, v_scale, scales2, four_bit=four)
@@ -565,6 +565,6 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
 def _round_param(P, dtype, b, c, p_out) -> None:
     """Stochastic rounding of the fp32 update ``P`` into ``p_out`` with the random words of the last hash."""
     if dtype == torch.bfloat16 and not math.isnan(float(P.sum())):
-        bf16_stochastic(P, b.t, b.t, p_out)
+        bf16_stochastic(P, b.t, b.t, p_out, c)
     else:
         p_out.copy_(ref.round_param(P, dtype, full_bits(b)))
