@@ -13,9 +13,13 @@ for a CPU:
   views of one buffer), so that state is read and written where it lies; only tails and DTensor shards are copied in
   and out. In a packed 8-bit (4-bit) chunk every tensor starts at a block boundary (of 256, 128 elements) and its
   padding is zero, as in ``reference._blocks``.
-  A chunk's scratch (about 50 bytes per element) stays in the CPU caches, so the ~55 elementwise passes of an 8-bit
-  step read cache, not memory, and a chunk is large enough that PyTorch's cost per operation (a few microseconds) is
-  small beside the work.
+  A chunk's scratch (41 bytes per element allocated, about 33 of them touched by an 8-bit chunk: buffers that are
+  never live together share memory, :class:`~apexw_hf.optim.torch_passes.Scratch`) stays in the CPU caches, so the
+  elementwise passes of an 8-bit step (44 operations over the chunk, about 58 chunk-lengths of elements, and the
+  NumPy root; about 20 more on the per-block scales) read cache, not memory, and a chunk is large enough to amortize
+  PyTorch's cost per operation (a few microseconds of Python and dispatch, serial, while the other intra-op threads
+  wait). On a 2-core CPU that serial part (with the single-threaded root) is still roughly a third of an 8-bit step,
+  and the passes depend on the shared L3 cache (docs/results/cpu_step/notes_2026-12-03.md).
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
@@ -78,7 +82,7 @@ from .torch_passes import (
     sqrt_into,
 )
 
-CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 13 MiB of scratch in all
+CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 10 MiB of scratch in all (2**17, 2**19: slower)
 
 
 # The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):

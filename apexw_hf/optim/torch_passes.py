@@ -214,9 +214,9 @@ class Scratch:
             setattr(self, name, e(size, torch.float32))
         self.t, self.z = e(size, torch.int32), e(size, torch.int32)
         self.mv, self.u = e(2 * size, torch.float32), e(2 * size, torch.float32)
-        # Buffers that share u's memory, for a smaller footprint in the caches (about 29 bytes per element touched by
-        # an 8-bit chunk): the decoded fp16 bits (before the update writes u), the hash word h (after the update; it
-        # is read again only by full_bits, before any encoding writes u), and the encoding's integer codes r.
+        # Buffers that share u's memory, for a smaller footprint in the caches (an 8-bit chunk touches about 33 bytes
+        # of scratch per element, base included): the decoded fp16 bits (before the update writes u), the hash word h
+        # (after the update; read again only by full_bits, before any encoding writes u), and the integer codes r.
         self.x16 = self.u.view(torch.int16)[: 2 * size]
         self.h, self.r = self.u.view(torch.int32)[:size], self.u.view(torch.int32)
         self.nz = e(size, torch.uint8)
