@@ -64,8 +64,10 @@ _TL_DTYPES = {
 # flight. Rechecked for the 8-bit format version 2 (H200, 4 x 8192^2, median of 40 launches): bf16 parameters 1.102 ms
 # with 1 x 1 against 1.204 (2 x 2), 1.211 (4 x 4), 1.349 (8 x 8) and 1.386 (2 x 1, 16 elements per thread); fp32
 # parameters 1.205 with 1 x 1, 1.195 with 4 x 4, 1.200 with 2 x 2; compact bf16 0.922 (1 x 1) and 0.911 (4 x 4).
-# 4-bit takes 8-bit's tile (1 x 256 elements, one warp: two 128-element blocks of half a warp each); not timed on a GPU
-# yet (scripts/bench_step.py --tune has its candidates).
+# 4-bit takes 8-bit's tile (1 x 256 elements, one warp: two 128-element blocks of half a warp each), timed against the
+# others on the H200 (scripts/probes/tile_probe.py, docs/results/step_benchmark/tile_h200_2026-12-03_34ce5de_*): on the
+# LoRA set fp32 / bf16 1 x 1 0.108 / 0.098 ms, 2 x 2 0.109 / 0.098, 2 x 1 0.109 / 0.107, 4 x 4 0.112 / 0.099, 1 x 2
+# 0.119 / 0.114; on 4 x 8192^2 fp32 1 x 1 1.043 ms, 2 x 1 1.062, 2 x 2 1.110.
 LAUNCH_CONFIG = {
     "fp32": {4: (1, 1), 2: (1, 1)},
     "compact": {4: (1, 1), 2: (4, 4)},
