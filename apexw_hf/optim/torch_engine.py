@@ -82,7 +82,11 @@ from .torch_passes import (
     sqrt_into,
 )
 
-CHUNK = 1 << 18  # elements per chunk: 1 MiB per fp32 buffer, about 10 MiB of scratch in all (2**17, 2**19: slower)
+# Elements per chunk: 2 MiB per fp32 buffer, about 20 MiB of scratch in all (about 16 MiB touched by an 8-bit chunk).
+# On a 2-core EPYC, 2**19 and 2**18 tie when the machine is quiet, and 2**19 is 10-20% faster in the windows where an
+# OpenMP barrier per operation costs more (fewer operations per element); 2**17 and 2**20 are slower
+# (docs/results/cpu_step/notes_2026-12-03.md).
+CHUNK = 1 << 19
 
 
 # The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):
