@@ -19,7 +19,8 @@ for a CPU:
   NumPy root; about 20 more on the per-block scales) read cache, not memory, and a chunk is large enough to amortize
   PyTorch's cost per operation (a few microseconds of Python and dispatch, serial, while the other intra-op threads
   wait). On a 2-core CPU that serial part (with the single-threaded root) is still roughly a third of an 8-bit step,
-  and the passes depend on the shared L3 cache (docs/results/cpu_step/notes_2026-12-03.md).
+  and the barrier that ends each operation costs up to twice the step when the two threads do not run together
+  (docs/results/cpu_step/notes_2026-12-03.md).
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
