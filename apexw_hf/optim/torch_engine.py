@@ -92,21 +92,24 @@ CHUNK = 1 << 19
 
 # The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):
 # only fp32 state with fp32 parameters matched the reference; every path with random bits gave other bits (NaN
-# parameters among them). Until that is found and fixed, those paths refuse CUDA tensors instead of training wrongly.
-# The likely cause, fixed since but not yet run on a GPU: an int32 shift written into int16 (bf16 rounding, block
-# scales), which CUDA computes in int16 (torch_passes' docstring); a CPU test emulates that (test_torch_engine.py).
+# parameters among them). The cause was an int32 shift written into int16 (bf16 rounding, block scales), which CUDA
+# computes in int16 (torch_passes' docstring; a CPU test emulates that rule, test_torch_engine.py). Fixed in c69a298;
+# on an H200 at 34ce5de every format with fp32 and bf16 parameters then gave the reference's bits
+# (docs/results/gpu_tests/gpu_tests_h200_2026-12-03_34ce5de.log). The passes changed after that run (scratch sharing,
+# the bf16 rounding's top half by a shift and a truncating copy, 2**19-element chunks): each change is a same-dtype
+# operation or a conversion, and the CPU test of CUDA's rule passes; the next GPU run of that test file checks them.
+# fp16 parameters (stochastic rounding through reference.round_param) have not been run on a GPU: refused there.
 _CUDA_REFUSED = (
-    "ApexW's plain-PyTorch engine (engine='torch', or engine='auto' on CUDA without triton) does not yet compute the "
-    "reference's results on CUDA devices for state_format={fmt!r} with {dtype} parameters (on an H200 it gave wrong "
-    "bits, NaN among them). Install triton and use engine='auto' or 'triton' (the Triton kernels, checked bit for "
-    "bit on the GPU), or step these parameters on the CPU; state_format='fp32' with float32 parameters is the one "
-    "combination this engine runs correctly on CUDA"
+    "ApexW's plain-PyTorch engine (engine='torch', or engine='auto' on CUDA without triton) has not been checked "
+    "against the reference on CUDA devices for state_format={fmt!r} with {dtype} parameters. Install triton and use "
+    "engine='auto' or 'triton' (the Triton kernels, checked bit for bit on the GPU), or step these parameters on the "
+    "CPU; on CUDA this engine runs float32 and bfloat16 parameters"
 )
 
 
 def cuda_verified(fmt: str, dtype: torch.dtype) -> bool:
     """Whether this engine's results on CUDA were checked equal to the reference (see ``_CUDA_REFUSED``)."""
-    return fmt == "fp32" and dtype == torch.float32
+    return fmt in ref.STATE_FORMATS and dtype in (torch.float32, torch.bfloat16)
 
 
 # ---- plans ------------------------------------------------------------------------------------------------------
