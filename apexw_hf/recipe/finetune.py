@@ -266,6 +266,31 @@ def _run_key(cfg: RecipeConfig) -> str:
     return t.optim if t.param_dtype == "auto" else f"{t.optim}@{t.param_dtype}"
 
 
+def check_trainable_dtypes(model, param_dtype: str, backend: str) -> dict | None:
+    """After training: every trainable parameter must still have the run's dtype (``param_dtype``: ``"fp32"`` or
+    ``"bf16"``), or the training stack cast it and the run does not measure what it says.
+
+    One exception: Unsloth's full fine-tuning loads the RMSNorm weights in fp32 (seen on an H200 at 5cd725d), the
+    model's own small fp32 parameters, stepped in fp32, not a master copy. With ``backend == "unsloth"`` fp32
+    ``*norm.weight`` parameters are accepted and returned as ``{"tensors": n, "elements": n}`` for the run's record;
+    None when every trainable parameter has the run's dtype. Anything else raises.
+    """
+    import torch
+
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[param_dtype]
+    other = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.dtype != want]
+    if not other:
+        return None
+    fp32_norms = all(n.endswith("norm.weight") and p.dtype == torch.float32 for n, p in other)
+    if backend != "unsloth" or not fp32_norms:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for n, p in model.named_parameters() if p.requires_grad})
+        raise RuntimeError(
+            f"the run asked for {param_dtype} parameters, but after training the trainable parameters are {dtypes}: "
+            f"something in the training stack cast them (e.g. {', '.join(f'{n} {p.dtype}' for n, p in other[:3])})"
+        )
+    return {"tensors": len(other), "elements": sum(p.numel() for _, p in other)}
+
+
 def training_memory(model: Any, opt: Any) -> dict[str, Any]:
     """Bytes of what training keeps per trainable parameter: the parameters, their gradients (same dtype as the
     parameter in PyTorch) and the optimizer state, each counted once (tied weights once)."""
@@ -365,20 +390,9 @@ def run_finetune(
     result["optimizer_state_bytes"] = int(apexw_hf.optimizer_state_bytes(opt))
     result["optimizer_state_mib"] = result["optimizer_state_bytes"] / 2**20
     result.update(training_memory(model, real_opt))
-    want = {"fp32": "float32", "bf16": "bfloat16"}[result["param_dtype"]]
-    if result["trainable_param_dtypes"] != [want]:
-        other = [(n, p) for n, p in model.named_parameters() if p.requires_grad and str(p.dtype) != f"torch.{want}"]
-        # Unsloth's full fine-tuning loads the RMSNorm weights in fp32 (seen on an H200 at 5cd725d): the model's own
-        # small fp32 parameters, stepped in fp32, not a master copy. Recorded; any other cast fails the run.
-        fp32_norms = all(n.endswith("norm.weight") and p.dtype == torch.float32 for n, p in other)
-        norms = t.backend == "unsloth" and fp32_norms
-        if not norms:
-            raise RuntimeError(
-                f"the run asked for {result['param_dtype']} parameters, but after training the trainable parameters "
-                f"are {result['trainable_param_dtypes']}: something in the training stack cast them (e.g. "
-                f"{', '.join(f'{n} {p.dtype}' for n, p in other[:3])})"
-            )
-        result["fp32_norm_params"] = {"tensors": len(other), "elements": sum(p.numel() for _, p in other)}
+    norms = check_trainable_dtypes(model, result["param_dtype"], t.backend)
+    if norms is not None:
+        result["fp32_norm_params"] = norms
     engines = sorted({str(g["engine"]) for g in real_opt.param_groups if "engine" in g})
     if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
         result["optimizer_engine"] = ",".join(engines)

@@ -178,6 +178,36 @@ def test_training_memory_counts_params_grads_and_state_once():
     assert mem["train_bytes_per_param"] == (4 * n + opt.state_bytes()) / n
 
 
+def test_trainable_dtype_check_accepts_only_unsloths_fp32_norms():
+    """A run whose trainable parameters are not all of its dtype fails, except the fp32 RMSNorm weights that
+    Unsloth's full fine-tuning loads (recorded); a bf16 run that got an fp32 weight matrix fails under Unsloth too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from apexw_hf.recipe.finetune import check_trainable_dtypes
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    assert check_trainable_dtypes(model, "bf16", "transformers") is None
+    assert check_trainable_dtypes(model, "bf16", "unsloth") is None
+    with pytest.raises(RuntimeError, match=r"asked for fp32 parameters, but .* are \['bfloat16'\]"):
+        check_trainable_dtypes(model, "fp32", "transformers")
+    norms = [m for n, m in model.named_modules() if n.endswith("norm")]
+    for m in norms:
+        m.float()
+    assert len(norms) == 5  # 2 layers x (input, post-attention) + the final norm
+    assert check_trainable_dtypes(model, "bf16", "unsloth") == {"tensors": 5, "elements": 5 * 32}
+    with pytest.raises(RuntimeError, match=r"something in the training stack cast them \(e\.g\. model\.layers\.0\."):
+        check_trainable_dtypes(model, "bf16", "transformers")
+    model.model.layers[0].mlp.down_proj.float()
+    with pytest.raises(RuntimeError, match="down_proj.weight torch.float32"):
+        check_trainable_dtypes(model, "bf16", "unsloth")
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(False)  # frozen: not checked
+    assert check_trainable_dtypes(model, "bf16", "unsloth") == {"tensors": 5, "elements": 5 * 32}
+
+
 def test_tiny_full_grid_end_to_end(tmp_path):
     out = tmp_path / "full"
     cmd = [
