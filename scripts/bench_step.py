@@ -433,6 +433,23 @@ def environment():
     )
 
 
+def time_launches(fn, launches: int, warmup: int = 5) -> tuple[float, float]:
+    """Median and minimum (ms, CUDA events) of ``launches`` back-to-back calls of ``fn`` after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = []
+    for _ in range(launches):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        ev.append((s, e))
+    torch.cuda.synchronize()
+    ms = [s.elapsed_time(e) for s, e in ev]
+    return statistics.median(ms), min(ms)
+
+
 def tune(args, bw):
     """Kernel tile variants (rows of 256 per program, warps, alignment hints) on the large workloads."""
     from apexw_hf import reference as ref
@@ -454,17 +471,7 @@ def tune(args, bw):
                 plan.set_grad_ptrs([g.data_ptr() for g in gs])
                 plan.static_aligned = aligned
                 fn = lambda plan=plan: plan.launch(step=10, scalars=scal, maximize=False, stochastic_param=True)  # noqa: E731
-                fn()
-                torch.cuda.synchronize()
-                ms = []
-                for _ in range(30):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    fn()
-                    e.record()
-                    ms.append((s, e))
-                torch.cuda.synchronize()
-                med = statistics.median(s.elapsed_time(e) for s, e in ms)
+                med, _ = time_launches(fn, 30, warmup=1)
                 floor = moved / bw * 1e3
                 out.append(
                     dict(

@@ -21,6 +21,9 @@ _GRAD = operator.attrgetter("grad")
 
 ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Above this beta2 the 4-bit format's v no longer decays at about beta2 (reference.v4_decay_per_step: one code per
+# binade, the halving probability 2 * (1 - beta2) resolved in units of 2**-10, none from 1 - 2**-12 on).
+BETA2_MAX_4BIT = 0.9995
 # Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
 _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 # What torch.optim.AdamW(params) puts under those keys; to_torch_adamw_state_dict writes them.
@@ -412,10 +415,6 @@ class ApexW(torch.optim.Optimizer):
 
 
 _TRITON_OK: bool | None = None
-# Above this beta2 the 4-bit format's v no longer decays at about beta2 (reference.v4_decay_per_step: one code per
-# binade, the halving probability 2 * (1 - beta2) resolved in units of 2**-10, none from 1 - 2**-12 on).
-BETA2_MAX_4BIT = 0.9995
-
 _WARNED_NO_TRITON = False
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "scripts" / "probes"))
 
 import kernel_variants  # noqa: E402
-from bench_step import WORKLOADS, copy_bandwidth, environment, lora_3b_shapes  # noqa: E402
+from bench_step import WORKLOADS, copy_bandwidth, environment, lora_3b_shapes, time_launches  # noqa: E402
 
 from apexw_hf import reference as ref  # noqa: E402
 from apexw_hf.kernels import launch  # noqa: E402
@@ -39,23 +38,6 @@ TILES = ("1x1", "2x1", "1x2", "2x2", "4x4", "4x2")
 DEFAULT_CASES = [f"{f}:shipped:1x1" for f in ("compact", "8bit")] + [f"4bit:shipped:{t}" for t in TILES]
 DEFAULT_CASES += ["4bit:plain_store:1x1", "4bit:row_scale4:1x1", "8bit:runs_store:1x1", "8bit:shipped:2x1"]
 DEFAULT_WORKLOADS = ["LoRA Llama-3.2-3B (392 fp32)", "LoRA Llama-3.2-3B (392 bf16)", "4x8192^2 fp32"]
-
-
-def time_launches(fn, launches: int) -> tuple[float, float]:
-    """Median and minimum (ms) of ``launches`` back-to-back launches after a warm-up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ev = []
-    for _ in range(launches):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        ev.append((s, e))
-    torch.cuda.synchronize()
-    ms = [s.elapsed_time(e) for s, e in ev]
-    return statistics.median(ms), min(ms)
 
 
 def main() -> None:
