@@ -429,9 +429,8 @@ def _auto_uses_triton(on_cuda: bool) -> bool:
         _WARNED_NO_TRITON = True
         warnings.warn(
             "ApexW: triton is not installed, so CUDA parameters go to the plain-PyTorch path, which is many times "
-            "slower than the Triton kernels and on CUDA runs float32 and bfloat16 parameters only (float16 ones "
-            "raise). Install triton (pip install 'apexw_hf[triton]'), or pass engine='torch' to "
-            "choose this path explicitly.",
+            "slower than the Triton kernels. Install triton (pip install 'apexw_hf[triton]'), or pass "
+            "engine='torch' to choose this path explicitly.",
             RuntimeWarning,
             stacklevel=4,
         )

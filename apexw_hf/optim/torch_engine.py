@@ -95,21 +95,9 @@ CHUNK = 1 << 19
 # parameters among them). The cause was an int32 shift written into int16 (bf16 rounding, block scales), which CUDA
 # computes in int16 (torch_passes' docstring; a CPU test emulates that rule, test_torch_engine.py). Fixed in c69a298;
 # on an H200 at 34ce5de every format with fp32 and bf16 parameters then gave the reference's bits
-# (docs/results/gpu_tests/gpu_tests_h200_2026-12-03_34ce5de.log). The passes changed after that run (scratch sharing,
-# the bf16 rounding's top half by a shift and a truncating copy, 2**19-element chunks): each change is a same-dtype
-# operation or a conversion, and the CPU test of CUDA's rule passes; the next GPU run of that test file checks them.
-# fp16 parameters (stochastic rounding through reference.round_param) have not been run on a GPU: refused there.
-_CUDA_REFUSED = (
-    "ApexW's plain-PyTorch engine (engine='torch', or engine='auto' on CUDA without triton) has not been checked "
-    "against the reference on CUDA devices for state_format={fmt!r} with {dtype} parameters. Install triton and use "
-    "engine='auto' or 'triton' (the Triton kernels, checked bit for bit on the GPU), or step these parameters on the "
-    "CPU; on CUDA this engine runs float32 and bfloat16 parameters"
-)
-
-
-def cuda_verified(fmt: str, dtype: torch.dtype) -> bool:
-    """Whether this engine's results on CUDA were checked equal to the reference (see ``_CUDA_REFUSED``)."""
-    return fmt in ref.STATE_FORMATS and dtype in (torch.float32, torch.bfloat16)
+# (docs/results/gpu_tests/gpu_tests_h200_2026-12-03_34ce5de.log), and at 0cac18f, after the passes changed (scratch
+# sharing, the bf16 rounding's top half by a shift and a truncating copy, 2**19-element chunks), every format with
+# fp32, bf16 and fp16 parameters did (gpu_tests_h200_2026-12-03_0cac18f.log), so no combination is refused on CUDA.
 
 
 # ---- plans ------------------------------------------------------------------------------------------------------
@@ -350,8 +338,6 @@ class TorchEngine:
         if not params:
             return
         opt = self.optimizer
-        if params[0].is_cuda and not cuda_verified(group["state_format"], params[0].dtype):
-            raise RuntimeError(_CUDA_REFUSED.format(fmt=group["state_format"], dtype=params[0].dtype))
         hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
         for p, g in zip(params, grads):
             if g.is_sparse:

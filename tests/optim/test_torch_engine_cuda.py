@@ -4,9 +4,9 @@
 ``auto`` takes it where triton is missing). On the GPU the engine takes its square root from ``reference.sqrt_rn``
 instead of NumPy, and every elementwise pass is a CUDA kernel. Its first run on an H200 (5cd725d) matched the
 reference only for fp32 state with fp32 parameters (an int32 shift written into int16 is computed in int16 on CUDA);
-after the fix (c69a298) every format with fp32 and bf16 parameters matched on an H200 (34ce5de). Those combinations
-are compared bit for bit here; fp16 parameters, not run on a GPU yet, are refused with a clear error (tested), and
-their comparison is kept as a non-strict expected failure that shows XPASS once a GPU run finds them equal.
+after the fix (c69a298) every format with fp32 and bf16 parameters matched on an H200 (34ce5de). At 0cac18f, after the
+passes changed again, every format with fp32, bf16 and fp16 parameters matched (the fp16 comparison, until then a
+non-strict expected failure, XPASSed), so the engine refuses none on CUDA and every combination is compared here.
 Marked ``gpu``: deselected by default, run with ``pytest -m gpu``.
 """
 
@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from apexw_hf import ApexW
-from apexw_hf.optim import torch_engine
 
 from .helpers import FORMATS, same_bits
 from .test_torch_engine import reference_step
@@ -24,8 +23,6 @@ pytestmark = pytest.mark.gpu
 SHAPES = [(1,), (255,), (257,), (4097,), (33, 65), (300_000,)]  # the last spans a chunk and a packed tail
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CASES = [(f, d) for f in FORMATS for d in DTYPES]
-VERIFIED = [c for c in CASES if torch_engine.cuda_verified(*c)]
-REFUSED = [c for c in CASES if not torch_engine.cuda_verified(*c)]
 
 
 @pytest.fixture(autouse=True)
@@ -73,26 +70,6 @@ def _compare(fmt, dtype):
     _assert_same(gpu, gpu_params, cpu, cpu_params)
 
 
-@pytest.mark.parametrize("fmt,dtype", VERIFIED)
+@pytest.mark.parametrize("fmt,dtype", CASES)
 def test_cuda_engine_matches_reference_and_cpu(fmt, dtype):
-    _compare(fmt, dtype)
-
-
-@pytest.mark.parametrize("fmt,dtype", REFUSED)
-def test_cuda_engine_refuses_unverified_paths(fmt, dtype):
-    params = _params(dtype, "cuda")
-    before = [p.detach().clone() for p in params]
-    opt = ApexW(params, engine="torch", state_format=fmt)
-    for p in params:
-        p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match=rf"state_format='{fmt}' with {dtype} parameters.*Install triton"):
-        opt.step()
-    assert all(torch.equal(p, q) for p, q in zip(params, before))
-    assert all(not s or float(s["step"]) == 0 for s in opt.state.values())
-
-
-@pytest.mark.xfail(strict=False, reason="not yet compared on a GPU")
-@pytest.mark.parametrize("fmt,dtype", REFUSED)
-def test_cuda_engine_unverified_paths(monkeypatch, fmt, dtype):
-    monkeypatch.setattr(torch_engine, "cuda_verified", lambda *_: True)
     _compare(fmt, dtype)
