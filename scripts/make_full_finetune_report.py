@@ -160,6 +160,18 @@ def _order(folder: Path, names) -> list[str]:
     return [o for o in first if o in names] + sorted(set(names) - set(first))
 
 
+def _order_grids(folders, names) -> list[str]:
+    """The optimizer order of several grids: each grid's configured order, the grid whose runs are oldest first."""
+
+    def first_date(p: Path):
+        return min((r.get("environment", {}).get("date_utc", "") for r in _runs(p)), default="")
+
+    order = []
+    for f in sorted(folders, key=lambda p: (first_date(p), p.name)):
+        order += [o for o in _order(f, names) if o not in order]
+    return order
+
+
 def _grid(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
@@ -195,7 +207,7 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
     if not runs:
         return f"(no finished runs in `{folder.relative_to(ROOT)}`)\n"
     best = best_learning_rates(runs)
-    opts = _order(folder, {r["optimizer"] for r in runs})
+    opts = _order_grids((folder, *extra), {r["optimizer"] for r in runs})
     if base in opts:
         opts.remove(base)
         opts.insert(0, base)
@@ -270,6 +282,13 @@ def readme_table() -> str:
     cpu = RESULTS / "offline_full"
     cpu_folders = [cpu, *sorted((RESULTS / "offline_full_extra").glob("*"))] if cpu.exists() else []
     cpu_runs = [r for f in cpu_folders for r in _runs(f) if r.get("status") == "ok"]
+    # the 4-bit grids of the same set-up; their torch AdamW runs repeat offline_full's (same seeds, same bits)
+    cpu_runs += [
+        r
+        for f in sorted((RESULTS / "offline_full_4bit").glob("*"))
+        for r in _runs(f)
+        if r.get("status") == "ok" and r["optimizer"].startswith("apexw_4bit")
+    ]
     best = best_learning_rates(cpu_runs) if cpu_runs else {}
     cpu_seeds = max(
         (sum(1 for x in cpu_runs if x["optimizer"] == o and x["learning_rate"] == b["lr"]) for o, b in best.items()),
@@ -287,6 +306,11 @@ def readme_table() -> str:
     ]
     found = {r["optimizer"]: r for r in _runs(folder) if r.get("status") == "ok"} if folder else {}
     gpu = {o: found[o] for o in _order(folder, found)} if folder else {}
+    # cells of the quality grid that the memory/speed grid did not run: no peak at its set-up, bytes/param from the
+    # quality runs (they do not depend on sequence length or batch)
+    later = {r["optimizer"]: r for r in h200_runs if r["optimizer"] not in gpu and r["optimizer"] in h200_best}
+    for spec in sorted(later):
+        gpu[spec] = {**later[spec], "peak_gpu_mem_allocated_gib": None}
     for spec, r in gpu.items():
         cpu_spec = spec.replace("adamw_torch_fused", "adamw_torch")
         val = "-"
@@ -306,10 +330,8 @@ def readme_table() -> str:
             gval = _ms(at)
             gval += f" (lr {lr:g})"
         name, dtype = spec.split("@")
-        lines.append(
-            f"| `{name}` | {dtype} | {r['peak_gpu_mem_allocated_gib']:.2f} | {r['train_bytes_per_param']:.2f} | "
-            f"{gval} | {val} |"
-        )
+        peak = "-" if r["peak_gpu_mem_allocated_gib"] is None else f"{r['peak_gpu_mem_allocated_gib']:.2f}"
+        lines.append(f"| `{name}` | {dtype} | {peak} | {r['train_bytes_per_param']:.2f} | {gval} | {val} |")
     return "\n".join(lines) + "\n"
 
 
