@@ -44,8 +44,11 @@ for a CPU:
   stochastic rounding always use ``reference.round_param``.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
-moves the data. Tensors that are not contiguous (a parameter or a state tensor) are stepped by
-``reference.adamw_step_ref_`` itself.
+moves the data. With ``8bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk of the same
+plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.optim.numba_engine`: the same bits, one pass
+over the data instead of about 64 operations; docs/results/cpu_step/notes_2026-12-03.md has the timings); without
+numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are not
+contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
@@ -58,6 +61,7 @@ Interface with the optimizer (as :class:`~apexw_hf.optim.engine.TritonEngine`)::
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 
@@ -83,6 +87,8 @@ from .torch_passes import (
     sqrt_into,
 )
 
+logger = logging.getLogger(__name__)
+
 # Elements per chunk: 2 MiB per fp32 buffer, about 20 MiB of scratch in all (about 16 MiB touched by an 8-bit chunk).
 # On a 2-core EPYC, 2**19 and 2**18 tie when the machine is quiet, and 2**19 is 10-20% faster in the windows where an
 # OpenMP barrier per operation costs more (fewer operations per element); 2**17 and 2**20 are slower
@@ -100,13 +106,36 @@ CHUNK = 1 << 19
 # fp32, bf16 and fp16 parameters did (gpu_tests_h200_2026-12-03_0cac18f.log), so no combination is refused on CUDA.
 
 
+_NUMBA_ENGINE = None  # apexw_hf.optim.numba_engine once imported; False when numba cannot be imported
+
+
+def numba_engine():
+    """The fused CPU path (:mod:`apexw_hf.optim.numba_engine`), or None when numba cannot be imported; the first
+    time that happens it is logged (WARNING), with how to install numba."""
+    global _NUMBA_ENGINE
+    if _NUMBA_ENGINE is None:
+        try:
+            from . import numba_engine as module
+
+            _NUMBA_ENGINE = module
+        except ImportError as e:
+            _NUMBA_ENGINE = False
+            logger.warning(
+                "ApexW: numba is not available (%s), so 8-bit optimizer steps on the CPU run as many separate PyTorch "
+                "operations, about twice as slow as with it; install it with: pip install 'apexw_hf[cpu]' (or pip "
+                "install numba)",
+                e,
+            )
+    return _NUMBA_ENGINE or None
+
+
 # ---- plans ------------------------------------------------------------------------------------------------------
 
 
 class _Chunk:
     """One batch of elements. ``segs``: (slot, first element in the tensor, count, chunk offset, whole tensor)."""
 
-    __slots__ = ("segs", "length", "direct", "pads", "io", "flat")
+    __slots__ = ("segs", "length", "direct", "pads", "io", "flat", "fused")
 
     def __init__(self, segs, length, direct, pads):
         self.segs = segs
@@ -115,6 +144,7 @@ class _Chunk:
         self.pads = pads  # (offset, count) of block padding (8-bit, 4-bit) in a packed chunk
         self.io = None  # persistent views (see _Layout._bind)
         self.flat = None  # a packed chunk's own moment buffers (see _Layout._flatten)
+        self.fused = None  # the numba path's tables of this chunk (numba_engine._ChunkTables)
 
 
 def _plan_chunks(numels: list[int], block: int | None) -> list[_Chunk]:
@@ -315,10 +345,15 @@ class _GroupPlan:
 class TorchEngine:
     """Runs :meth:`ApexW.step` for param groups in plain PyTorch (see the module docstring)."""
 
+    # 8-bit state on the CPU with fp32 or bf16 parameters runs on the fused numba path when numba is installed
+    # (numba_engine); False (per engine or on the class) keeps every chunk on the torch passes.
+    use_numba = True
+
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self._layouts: dict[int, _GroupPlan] = {}
         self._scratch: dict = {}
+        self.numba_used = False  # whether any chunk ran on the fused numba path (see use_numba)
 
     def invalidate(self) -> None:
         """Forget the cached chunk plans (state tensors were replaced)."""
@@ -371,6 +406,14 @@ class TorchEngine:
             t = steps[idx[0]]
             self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
 
+    def _fused(self, layout: _Layout):
+        """The numba module when this layout runs on it: 8-bit state, fp32 or bf16 parameters, CPU."""
+        if not (self.use_numba and layout.fmt == "8bit" and layout.dtype in (torch.float32, torch.bfloat16)):
+            return None
+        if layout.locals[0].device.type != "cpu":
+            return None
+        return numba_engine()
+
     def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
         maximize = group["maximize"]
         rounding = group["param_rounding"]
@@ -392,6 +435,13 @@ class TorchEngine:
             return
         grads = [dt.local(grads[i]) for i in layout.fast]
         sc = self._scratch_for(layout.locals[0].device)
+        fused = self._fused(layout)
+        if fused is not None:
+            keys_mv = _stream_keys(layout.tkeys_np, rnd.mix32(t), rnd.STREAM_MV)
+            for ch in layout.chunks:
+                fused.step_chunk_8bit(layout, ch, sc, grads, s, keys_mv, maximize, rounding)
+            self.numba_used = True
+            return
         # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.
         k = torch.tensor(
             [
