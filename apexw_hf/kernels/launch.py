@@ -184,8 +184,9 @@ class LaunchPlan:
         if ptrs == self._grad_ptrs:
             return
         self._grad_ptrs = ptrs
-        self.grads_aligned = not any(a & 15 for a in ptrs)
-        _copy_from_host_(self.addr[ADDR_GRAD], ptrs)
+        table = np.array(ptrs, dtype=np.int64)
+        self.grads_aligned = not (table & 15).any()
+        _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
 
     def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
         """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""

@@ -291,3 +291,42 @@ def test_gpu_params_on_a_second_device(fmt):
     torch.cuda.synchronize("cuda:1")
     for i, (a, b) in enumerate(zip(cpu, gpu)):
         assert same_bits(a.detach(), b.detach().cpu()), f"param {i}: {mismatch(a.detach(), b.detach().cpu())}"
+
+
+def _set_bad_grad(p, case):
+    """Give ``p`` a gradient at a new address that the kernel must not be handed; returns what the error names."""
+    if case == 0:
+        p.grad = torch.randn(p.shape[0], 2 * p.shape[1], device=p.device)[:, ::2]
+        return ValueError, "dense contiguous"
+    p.grad = torch.zeros_like(p)
+    # a `.data` swap on the gradient itself bypasses the .grad setter's own shape and dtype checks
+    if case == 1:
+        p.grad.data = torch.zeros(p.numel() + 1, device=p.device)
+        return ValueError, "shape"
+    p.grad.data = torch.zeros(p.shape, dtype=torch.float64, device=p.device)
+    return TypeError, "unsupported gradient dtype"
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_engine_checks_gradients_that_moved(case):
+    """After a step, gradients at new addresses are checked (all of them, in a few passes over the list) before
+    their addresses reach the kernel; a bad one raises and the step changes nothing."""
+    ps = [torch.nn.Parameter(torch.randn(4, 8, device=DEVICE)) for _ in range(5)]
+    opt = ApexW(ps, lr=1e-2, state_format="8bit", engine="triton")
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in ps:
+        p.grad = torch.randn_like(p)  # new allocations, all fine
+    error, match = _set_bad_grad(ps[3], case)
+    before = [p.detach().clone() for p in ps]
+    state = [{k: v.clone() for k, v in opt.state[p].items()} for p in ps]
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(ps, before))
+    for p, saved in zip(ps, state):
+        assert all(torch.equal(opt.state[p][k], v) for k, v in saved.items())
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()  # good gradients step again
+    assert all(float(opt.state[p]["step"]) == 2 for p in ps)
