@@ -222,7 +222,7 @@ def bytes_moved(params, grads, opt) -> int:
     return moved + 2 * state_bytes(opt)
 
 
-def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.5):
+def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.5, before_step=None):
     """Median of CUDA-event step times after at least ``warmup`` steps and ``warmup_s`` seconds of warm-up.
 
     The time floor matters for host-bound steps (a fraction of a millisecond): right after compiles or idle, the
@@ -232,10 +232,14 @@ def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.
     host-bound step span 6 ms, so one pause of the host process of a few milliseconds (a garbage collection, another
     process on the core) moved the median of a whole row; over half a second it cannot. Steps so slow that ``steps``
     of them exceed ``time_budget_s`` stop after 3.
+
+    ``before_step``: called before every step, outside the timed span (``--moving-grads`` swaps the gradients there).
     """
+    before = before_step or (lambda: None)
     t0 = time.perf_counter()
     done = 0
     while done < warmup or (time.perf_counter() - t0 < warmup_s and done < 100 * max(1, warmup)):
+        before()
         opt.step()
         done += 1
         if done == warmup:
@@ -248,6 +252,7 @@ def time_steps(opt, steps, warmup, time_budget_s, warmup_s=0.25, min_window_s=0.
     n = steps
     i = 0
     while i < n:
+        before()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         opt.step()
@@ -341,6 +346,19 @@ class ClockSampler:
             self.proc.terminate()
 
 
+class _GradSwapper:
+    """Two gradient sets of equal values at different addresses, swapped into ``.grad`` before every step: what a
+    training loop whose ``zero_grad`` frees the gradients can hand the optimizer (new allocations each step)."""
+
+    def __init__(self, params, grads):
+        self.params, self.sets, self.turn = params, [grads, [g.clone() for g in grads]], 0
+
+    def __call__(self):
+        self.turn ^= 1
+        for p, g in zip(self.params, self.sets[self.turn]):
+            p.grad = g
+
+
 def bench_workload(name, shapes, dtype, optimizers, args, bw):
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype, generator=gen) * 0.02) for s in shapes]
@@ -366,11 +384,14 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
         ps = [torch.nn.Parameter(p.detach().clone()) for p in params]
         for p, g in zip(ps, grads):
             p.grad = g
+        swap = _GradSwapper(ps, grads) if args.moving_grads else None
+        if swap:
+            row["gradients"] = "two sets at different addresses, alternating every step"
         try:
             opt = OPTIMIZERS[opt_name](ps)
             t_start = time.perf_counter()
             med, n, warm_s, ms = time_steps(
-                opt, args.steps, args.warmup, args.time_budget, args.warmup_seconds, args.min_window
+                opt, args.steps, args.warmup, args.time_budget, args.warmup_seconds, args.min_window, swap
             )
             row.update(CLOCKS.summary(t_start, time.perf_counter()) if CLOCKS else {})
             sb = state_bytes(opt)
@@ -401,7 +422,7 @@ def bench_workload(name, shapes, dtype, optimizers, args, bw):
                 traceback.print_exc()
         rows.append(row)
         del ps
-        opt = None
+        opt = swap = None
         gc.collect()
         torch.cuda.empty_cache()
     del params, grads
@@ -510,6 +531,12 @@ def main():
     ap.add_argument("--tune", action="store_true", help="time kernel tile variants first")
     ap.add_argument("--bench", action="store_true", help="with --tune: then benchmark with the fastest tiles")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after which remaining entries are skipped")
+    ap.add_argument(
+        "--moving-grads",
+        action="store_true",
+        help="gradients at new addresses every step (two sets of equal values, swapped outside the timed span), as "
+        "in training loops whose zero_grad frees them",
+    )
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     args.tune_configs = {
