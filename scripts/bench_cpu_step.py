@@ -3,9 +3,9 @@
 Optimizer step only, fp32 parameters: gradients are random and fixed across steps; each step is timed with
 ``time.perf_counter`` after warm-up. All optimizers of a workload run in the same process, in ``--rounds`` interleaved
 rounds of ``--steps`` steps each; the table shows, per optimizer, the lowest of its round medians (a shared machine
-slows some rounds down; every round median is stored). ``ApexW8bit`` runs on the fused numba path when numba is
-installed (``apexw_hf/optim/numba_engine.py``); ``ApexW8bit (torch passes)`` is the same optimizer with that path
-switched off, the engine without numba. ``--reference`` adds the per-tensor
+slows some rounds down; every round median is stored). ``ApexW8bit`` and ``ApexW4bit`` run on the fused numba path
+when numba is installed (``apexw_hf/optim/numba_engine.py``); the ``(torch passes)`` rows are the same optimizers with
+that path switched off, the engine without numba. ``--reference`` adds the per-tensor
 ``reference.adamw_step_ref_`` loop (the CPU path before the engine) for comparison; it is slow, so it gets a sixth of
 the steps.
 
@@ -85,10 +85,13 @@ class _ReferenceLoop:
                 )
 
 
-def _without_numba(ps):
-    opt = ApexW(ps, state_format="8bit", engine="torch", **HP)
-    opt._torch_engine().use_numba = False
-    return opt
+def _without_numba(fmt):
+    def make(ps):
+        opt = ApexW(ps, state_format=fmt, engine="torch", **HP)
+        opt._torch_engine().use_numba = False
+        return opt
+
+    return make
 
 
 def _numba_version():
@@ -106,8 +109,9 @@ def _candidates(with_reference: bool):
         "ApexW fp32": lambda ps: ApexW(ps, state_format="fp32", engine="torch", **HP),
         "ApexWCompact": lambda ps: ApexW(ps, state_format="compact", engine="torch", **HP),
         "ApexW8bit": lambda ps: ApexW(ps, state_format="8bit", engine="torch", **HP),
-        "ApexW8bit (torch passes)": _without_numba,
+        "ApexW8bit (torch passes)": _without_numba("8bit"),
         "ApexW4bit": lambda ps: ApexW(ps, state_format="4bit", engine="torch", **HP),
+        "ApexW4bit (torch passes)": _without_numba("4bit"),
     }
     if with_reference:
         out["ApexWCompact (per-tensor reference)"] = lambda ps: _ReferenceLoop(ps, "compact")

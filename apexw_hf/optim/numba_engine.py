@@ -1,13 +1,13 @@
-"""8-bit AdamW step of one chunk as one fused loop compiled by numba: the CPU path of the plain-PyTorch engine.
+"""AdamW step of one chunk with 8-bit or 4-bit state as one fused loop compiled by numba: the engine's CPU path.
 
 :mod:`apexw_hf.optim.torch_engine` plans a param group into chunks (large tensors in place, small ones packed with
-block padding) and, for ``8bit`` state on the CPU with fp32 or bf16 parameters, hands each chunk to
-:func:`step_chunk_8bit` when numba is installed (``pip install "apexw_hf[cpu]"``; numba ships LLVM in its wheel, so
-no compiler is needed). Each block of :data:`~apexw_hf.reference.BLOCK` elements is then read once and written once:
-decode both moments, the update, the random word, the parameter's rounding, the block scales and the new codes, in
-one pass over the chunk, split over ``torch.get_num_threads()`` threads. The torch passes of
-:mod:`apexw_hf.optim.torch_passes` (about 64 operations per chunk, each ending in a barrier of the threads) remain
-the path without numba and for the other formats and dtypes.
+block padding) and, for ``8bit`` and ``4bit`` state on the CPU with fp32 or bf16 parameters, hands each chunk to
+:func:`step_chunk` when numba is installed (``pip install "apexw_hf[cpu]"``; numba ships LLVM in its wheel, so no
+compiler is needed). Each block (:data:`~apexw_hf.reference.BLOCK` or :data:`~apexw_hf.reference.BLOCK4` elements)
+is then read once and written once: decode both moments, the update, the random word, the parameter's rounding, the
+block scales and the new codes, in one pass over the chunk, the blocks split over ``torch.get_num_threads()``
+threads. The torch passes of :mod:`apexw_hf.optim.torch_passes` (about 64 operations per 8-bit chunk, each ending in
+a barrier of the threads) remain the path without numba, on CUDA, and for the other formats and fp16 parameters.
 
 The bits are those of ``reference.adamw_step_ref_`` (``tests/optim/test_numba_engine.py``): every fp32 operation is
 the reference's, one IEEE operation in fp32 at a time (constants are fp32, no ``fastmath``, so no fused multiply-add
@@ -16,7 +16,8 @@ wraparound, and the special values follow the reference's own rules, so no chunk
 block makes its scale NaN and its codes those of ``y = 0`` (``reference._normalized``), an infinite scale gives
 ``1 / scale = 0``, a tiny bf16 scale ``1 / scale = inf``. Per block:
 
-* decode (``reference.dequantize_m``/``dequantize_v``): the code's value built on the fp32 bits, times the scale;
+* decode (``reference.dequantize_m``/``dequantize_v``/``dequantize_mv4``): the code's value built on the fp32 bits,
+  times the scale;
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
   propagates as ``torch.amax``'s does), rounded up to bf16;
@@ -24,7 +25,8 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
-A packed chunk's block padding (``blk_valid`` below 256) holds ``m = v = 0``, as in ``reference._blocks``.
+A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
+``reference._blocks``. Compiled on first use and cached on disk (``cache=True``), one signature per kernel.
 """
 
 from __future__ import annotations
@@ -38,9 +40,7 @@ from numba.extending import intrinsic
 
 from .. import _random as rnd
 from .. import reference as ref
-from .state import SCALE_KEYS
-
-_BLOCK = ref.BLOCK
+from .state import SCALE_KEYS, moment_keys
 
 
 @intrinsic
@@ -61,8 +61,8 @@ def bits_f32(typingctx, x):
 
 u32 = np.uint32
 u64 = np.uint64
-BLK = u64(_BLOCK)
 f32 = np.float32
+BLOCK8, BLOCK4 = u64(ref.BLOCK), u64(ref.BLOCK4)
 GOLDEN, MIX1, MIX2 = u32(rnd.GOLDEN), u32(rnd.MIX1), u32(rnd.MIX2)
 S16, S13, S10, S9, S14 = u32(16), u32(13), u32(10), u32(9), u32(14)
 LOW16, RNE_BIAS = u32(0xFFFF), u32(0x7FFF)
@@ -81,6 +81,12 @@ M_OFF, V_OFF = u32(112 << 3), u32(112 << 4)
 M_SUB, V_SUB = u32(113 << 3), u32(113 << 4)  # ... a subnormal code's value plus 2**-14
 M_SUBMAX, V_SUBMAX = u32(8), u32(16)
 SIGN7, MAG7 = u32(128), u32(127)
+# 4-bit: no mantissa bits; a code c >= 1 has the fp32 exponent field c + M4_OFF (m, bias 7) or c + V4_OFF (v, bias 15)
+S4, S17, S23 = u32(4), u32(17), u32(23)
+LOW4, MAG3, SIGN3 = u32(15), u32(7), u32(8)
+M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
+M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 12)
+MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
 
 @njit(inline="always")
@@ -108,125 +114,193 @@ def inverse(scale16):
     return F_ONE / s
 
 
+@njit(inline="always")
+def load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, blk, p_mode):
+    """The block's gradient and parameter in fp32; zero past its ``nv`` valid elements (block padding)."""
+    if g32.shape[0] == 0:
+        for j in range(nv):
+            gbuf[j] = bits_f32(u32(g16[base + j]) << S16)
+    else:
+        for j in range(nv):
+            gbuf[j] = g32[base + j]
+    if p_mode == 0:
+        for j in range(nv):
+            pbuf[j] = p32[base + j]
+    else:
+        for j in range(nv):
+            pbuf[j] = bits_f32(u32(p16[base + j]) << S16)
+    for j in range(nv, blk):
+        gbuf[j] = F_ZERO
+        pbuf[j] = F_ZERO
+
+
+@njit(inline="always")
+def update(m, v, g, p, beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay):
+    """The reference's update, one fp32 operation at a time: (m, v, p)."""
+    m = m * beta1 + g * omb1
+    v = v * beta2 + (g * g) * omb2
+    denom = np.sqrt(v) * inv_bc2 + eps
+    return m, v, p * decay - (m / denom) * step_size
+
+
+@njit(inline="always")
+def finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, blk, key, p_mode):
+    """Zero moments in the padding, the random words, the parameter out; returns the bf16 block scales."""
+    for j in range(nv, blk):
+        mbuf[j] = F_ZERO
+        vbuf[j] = F_ZERO
+    # the random words: mix32(index * GOLDEN + key), the index counted from the chunk's start (key adjusted per piece)
+    for j in range(blk):
+        wbuf[j] = mix32(u32(u32(base + j) * GOLDEN + key))
+    if p_mode == 0:
+        for j in range(nv):
+            p32[base + j] = pbuf[j]
+    elif p_mode == 1:  # bf16, round to nearest even
+        for j in range(nv):
+            x = pbuf[j]
+            bits = f32_bits(x)
+            r = u32(bits + RNE_BIAS + ((bits >> S16) & ONE_BITS)) >> S16
+            p16[base + j] = BF16_NAN if x != x else np.uint16(r)
+    else:  # bf16, stochastic: the word's top 16 bits (reference.param_stream)
+        for j in range(nv):
+            x = pbuf[j]
+            r = u32(f32_bits(x) + (wbuf[j] >> S16)) >> S16
+            p16[base + j] = BF16_NAN if x != x else np.uint16(r)
+    # block maxima on the bits (NaN above inf above every finite value), rounded up to bf16
+    amax_m = u32(0)
+    amax_v = u32(0)
+    for j in range(blk):
+        amax_m = max(amax_m, u32(f32_bits(mbuf[j]) & ABS))
+        amax_v = max(amax_v, u32(f32_bits(vbuf[j]) & ABS))
+    return round_up_bf16(amax_m), round_up_bf16(amax_v)
+
+
+@njit(inline="always")
+def normalized(a, inv):
+    """``reference._normalized``: ``a * inv`` clamped to 1, NaN to 0."""
+    y = a * inv
+    y = F_ONE if y > F_ONE else y
+    return y if y == y else F_ZERO
+
+
+@njit(inline="always")
+def code_bits(y, min_normal):
+    """``reference.minifloat_code``'s integer before the offset is added: the bits of ``y``, or of ``y + min_normal``
+    with the exponent lowered by one below ``min_normal``."""
+    return f32_bits(y) if y >= min_normal else u32(f32_bits(y + min_normal) - EXP23)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks):
-    """One chunk. ``p_mode``: 0 fp32 parameters (``p32``), 1 bf16 rounded to nearest, 2 bf16 stochastically
-    (``p16``, the bf16 bits); gradients in ``g32`` (fp32) or, when it is empty, ``g16`` (bf16 bits)."""
-    beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay = (
-        hp[0],
-        hp[1],
-        hp[2],
-        hp[3],
-        hp[4],
-        hp[5],
-        hp[6],
-        hp[7],
-    )
+    """One chunk with 8-bit state. ``p_mode``: 0 fp32 parameters (``p32``), 1 bf16 rounded to nearest, 2 bf16
+    stochastically (``p16``, the bf16 bits); gradients in ``g32`` (fp32) or, when it is empty, ``g16`` (bf16
+    bits). ``hp``: beta1, 1 - beta1 (negated for ``maximize``), beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps,
+    step size, decay."""
+    beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
+    inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
-    g_bf16 = g32.shape[0] == 0
     for task in prange(ntasks):
-        gbuf = np.empty(_BLOCK, np.float32)
-        pbuf = np.empty(_BLOCK, np.float32)
-        mbuf = np.empty(_BLOCK, np.float32)
-        vbuf = np.empty(_BLOCK, np.float32)
-        wbuf = np.empty(_BLOCK, np.uint32)
+        gbuf = np.empty(BLOCK8, np.float32)
+        pbuf = np.empty(BLOCK8, np.float32)
+        mbuf = np.empty(BLOCK8, np.float32)
+        vbuf = np.empty(BLOCK8, np.float32)
+        wbuf = np.empty(BLOCK8, np.uint32)
         # unsigned indices: numba then drops its negative-index wraparound, which would stop vectorization
         for b in range(u64(task * nb // ntasks), u64((task + 1) * nb // ntasks)):
-            base = b * BLK
+            base = b * BLOCK8
             nv = u64(blk_valid[b])
-            key = seg_key[blk_seg[b]]
-            # ---- gradient and parameter in fp32 (zero past the valid elements of a padded block)
-            if g_bf16:
-                for j in range(nv):
-                    gbuf[j] = bits_f32(u32(g16[base + j]) << S16)
-            else:
-                for j in range(nv):
-                    gbuf[j] = g32[base + j]
-            for j in range(nv, BLK):
-                gbuf[j] = F_ZERO
-            if p_mode == 0:
-                for j in range(nv):
-                    pbuf[j] = p32[base + j]
-            else:
-                for j in range(nv):
-                    pbuf[j] = bits_f32(u32(p16[base + j]) << S16)
-            for j in range(nv, BLK):
-                pbuf[j] = F_ZERO
-            # ---- decode, update (reference order, fp32), the new parameter
+            load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK8, p_mode)
             sm = bits_f32(u32(m_scale[b]) << S16)
             sv = bits_f32(u32(v_scale[b]) << S16)
-            for j in range(BLK):
+            for j in range(BLOCK8):
+                # decode: the code's value on the fp32 bits (subnormal codes: plus 2**-14, then minus it), times scale
                 cm = u32(m_codes[base + j])
                 mag = cm & MAG7
-                am = bits_f32(u32((mag + M_OFF) << M_SHIFT))
-                am_sub = bits_f32(u32((mag + M_SUB) << M_SHIFT)) - MIN_NORMAL
-                a = am if mag >= M_SUBMAX else am_sub
+                a = bits_f32(u32((mag + M_OFF) << M_SHIFT))
+                a_sub = bits_f32(u32((mag + M_SUB) << M_SHIFT)) - MIN_NORMAL
+                a = a if mag >= M_SUBMAX else a_sub
                 m = (-a if cm >= SIGN7 else a) * sm
                 cv = u32(v_codes[base + j])
                 av = bits_f32(u32((cv + V_OFF) << V_SHIFT))
                 av_sub = bits_f32(u32((cv + V_SUB) << V_SHIFT)) - MIN_NORMAL
                 v = (av if cv >= V_SUBMAX else av_sub) * sv
-                g = gbuf[j]
-                m = m * beta1 + g * omb1
-                v = v * beta2 + (g * g) * omb2
-                denom = np.sqrt(v) * inv_bc2 + eps
-                pbuf[j] = pbuf[j] * decay - (m / denom) * step_size
+                m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
+                pbuf[j] = p
                 mbuf[j] = m
                 vbuf[j] = v
-            for j in range(nv, BLK):
-                mbuf[j] = F_ZERO
-                vbuf[j] = F_ZERO
-            # ---- random words: mix32(index * GOLDEN + key), index counted from the piece's start
-            for j in range(BLK):
-                wbuf[j] = mix32(u32(u32(base + j) * GOLDEN + key))
-            # ---- parameter out
-            if p_mode == 0:
-                for j in range(nv):
-                    p32[base + j] = pbuf[j]
-            elif p_mode == 1:
-                for j in range(nv):
-                    x = pbuf[j]
-                    bits = f32_bits(x)
-                    r = u32(bits + RNE_BIAS + ((bits >> S16) & ONE_BITS)) >> S16
-                    p16[base + j] = BF16_NAN if x != x else np.uint16(r)
-            else:
-                for j in range(nv):
-                    x = pbuf[j]
-                    r = u32(f32_bits(x) + (wbuf[j] >> S16)) >> S16
-                    p16[base + j] = BF16_NAN if x != x else np.uint16(r)
-            # ---- block scales: the bits' maxima (NaN above inf above every finite value)
-            amax_m = u32(0)
-            amax_v = u32(0)
-            for j in range(BLK):
-                amax_m = max(amax_m, f32_bits(mbuf[j]) & ABS)
-                amax_v = max(amax_v, f32_bits(vbuf[j]) & ABS)
-            s16m = round_up_bf16(amax_m)
-            s16v = round_up_bf16(amax_v)
+            s16m, s16v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK8, seg_key[blk_seg[b]], p_mode)
             m_scale[b] = s16m
             v_scale[b] = s16v
             inv_m = inverse(s16m)
             inv_v = inverse(s16v)
-            # ---- codes
-            for j in range(BLK):
+            for j in range(BLOCK8):
                 w = wbuf[j]
                 m = mbuf[j]
-                y = abs(m) * inv_m
-                y = F_ONE if y > F_ONE else y
-                y = y if y == y else F_ZERO
-                x = f32_bits(y) if y >= MIN_NORMAL else u32(f32_bits(y + MIN_NORMAL) - EXP23)
+                x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL)
                 r = (((w >> S10) & M_RMASK) << S14) | M_HALF
                 c = u32(u32(x + r) >> M_SHIFT) - M_OFF
                 c = c | SIGN7 if m < F_ZERO else c
                 m_codes[base + j] = np.uint8(c)
                 v = vbuf[j]
-                y = v * inv_v
-                y = F_ONE if y > F_ONE else y
-                y = y if y == y else F_ZERO
-                x = f32_bits(y) if y >= MIN_NORMAL else u32(f32_bits(y + MIN_NORMAL) - EXP23)
+                x = code_bits(normalized(v, inv_v), MIN_NORMAL)
                 r = ((w & V_RMASK) << S9) | V_HALF
                 c = u32(u32(x + r) >> V_SHIFT) - V_OFF
                 c = ONE_BITS if (c == u32(0)) and (v > F_ZERO) else c
                 v_codes[base + j] = np.uint8(c)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks):
+    """One chunk with 4-bit state (``codes``: both moments per byte, ``reference.quantize_mv4``); the other
+    arguments as :func:`step_8bit`'s."""
+    beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
+    inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
+    nb = blk_seg.shape[0]
+    for task in prange(ntasks):
+        gbuf = np.empty(BLOCK4, np.float32)
+        pbuf = np.empty(BLOCK4, np.float32)
+        mbuf = np.empty(BLOCK4, np.float32)
+        vbuf = np.empty(BLOCK4, np.float32)
+        wbuf = np.empty(BLOCK4, np.uint32)
+        for b in range(u64(task * nb // ntasks), u64((task + 1) * nb // ntasks)):
+            base = b * BLOCK4
+            nv = u64(blk_valid[b])
+            load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK4, p_mode)
+            sm = bits_f32(u32(m_scale[b]) << S16)
+            sv = bits_f32(u32(v_scale[b]) << S16)
+            for j in range(BLOCK4):
+                # decode: code c >= 1 is 2**(c - bias), code 0 is zero (m: sign in bit 3)
+                byte = u32(codes[base + j])
+                cm = byte & LOW4
+                mag = cm & MAG3
+                a = bits_f32(u32((mag + M4_OFF) << S23))
+                a = a if mag >= ONE_BITS else F_ZERO
+                m = (-a if cm >= SIGN3 else a) * sm
+                cv = byte >> S4
+                av = bits_f32(u32((cv + V4_OFF) << S23))
+                v = (av if cv >= ONE_BITS else F_ZERO) * sv
+                m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
+                pbuf[j] = p
+                mbuf[j] = m
+                vbuf[j] = v
+            s16m, s16v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, seg_key[blk_seg[b]], p_mode)
+            m_scale[b] = s16m
+            v_scale[b] = s16v
+            inv_m = inverse(s16m)
+            inv_v = inverse(s16v)
+            for j in range(BLOCK4):
+                w = wbuf[j]
+                m = mbuf[j]
+                x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL_M4)
+                r = (((w >> S10) & M_RMASK) << S17) | M4_HALF
+                cm = u32(u32(x + r) >> S23) - M4_OFF
+                cm = cm | SIGN3 if m < F_ZERO else cm
+                v = vbuf[j]
+                x = code_bits(normalized(v, inv_v), MIN_NORMAL)
+                r = ((w & V_RMASK) << S13) | V4_HALF
+                cv = u32(u32(x + r) >> S23) - V4_OFF
+                cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv
+                codes[base + j] = np.uint8(cm | (cv << S4))
 
 
 # ---- host side ----------------------------------------------------------------------------------------------------
@@ -250,7 +324,7 @@ class _ChunkTables:
     __slots__ = ("blk_seg", "blk_valid", "deltas", "arrays")
 
     def __init__(self, layout, ch):
-        blk = _BLOCK
+        blk = layout.block
         nb = ch.length // blk
         self.blk_seg = np.zeros(nb, np.int32)
         self.blk_valid = np.full(nb, blk, np.int32)
@@ -263,26 +337,30 @@ class _ChunkTables:
         self.deltas = np.array([((a - o) * rnd.GOLDEN) & rnd.MASK32 for _, a, _, o, _ in ch.segs], np.uint64)
         io = ch.io
         if ch.direct:
-            self.arrays = [_np(io[k].reshape(-1)) for k in ("p", "exp_avg", "exp_avg_sq")]
-            self.arrays += [_np(io[k]) for k in SCALE_KEYS]
+            self.arrays = [_np(io[k].reshape(-1)) for k in ("p", *moment_keys(layout.fmt), *SCALE_KEYS)]
         else:
             self.arrays = None
 
 
-def step_chunk_8bit(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize: bool, rounding: str) -> None:
-    """One chunk of ``torch_engine``'s plan (8-bit state, fp32 or bf16 parameters, CPU): gather what a packed chunk
-    needs into scratch, one kernel call, scatter back. ``keys_mv``: the moments' stream key per tensor slot."""
+FORMATS = ("8bit", "4bit")  # the state formats of this path (with fp32 or bf16 parameters)
+
+
+def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize: bool, rounding: str) -> None:
+    """One chunk of ``torch_engine``'s plan (8-bit or 4-bit state, fp32 or bf16 parameters, CPU): gather what a
+    packed chunk needs into scratch, one kernel call, scatter back. ``keys_mv``: the moments' stream key per tensor
+    slot."""
     tables = ch.fused
     if tables is None:
         tables = ch.fused = _ChunkTables(layout, ch)
     io, n = ch.io, ch.length
-    b = scratch.upto(n, _BLOCK)
+    b = scratch.upto(n, layout.block)
+    four = layout.fmt == "4bit"
     bf16 = layout.dtype == torch.bfloat16
     p_mode = 0 if not bf16 else (2 if rounding == "stochastic" else 1)
     if ch.direct:
         slot, a = ch.segs[0][:2]
         g = grads[slot].reshape(-1)[a : a + n]
-        p, mc, vc, ms, vs = tables.arrays
+        p, *codes, ms, vs = tables.arrays
     else:
         srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
         torch._foreach_copy_(io["g_dst"], srcs)
@@ -295,7 +373,8 @@ def step_chunk_8bit(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, max
             p = _np(b.p)
         if io["moments_in"][0]:
             torch._foreach_copy_(*io["moments_in"])
-        mc, vc, ms, vs = (_np(io[k]) for k in ("mom_m", "mom_v", "scl_m", "scl_v"))
+        codes = [_np(io["mom"])] if four else [_np(io["mom_m"]), _np(io["mom_v"])]
+        ms, vs = _np(io["scl_m"]), _np(io["scl_v"])
     if g.dtype == torch.float32:
         g32, g16 = _np(g), _EMPTY_U16
     elif g.dtype == torch.bfloat16:
@@ -320,7 +399,8 @@ def step_chunk_8bit(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, max
         np.float32,
     )
     ntasks = set_threads()
-    step_8bit(p32, p16, g32, g16, mc, vc, ms, vs, tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode, ntasks)
+    kernel = step_4bit if four else step_8bit
+    kernel(p32, p16, g32, g16, *codes, ms, vs, tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode, ntasks)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
         if io["moments_out"][0]:

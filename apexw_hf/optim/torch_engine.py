@@ -44,11 +44,11 @@ for a CPU:
   stochastic rounding always use ``reference.round_param``.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
-moves the data. With ``8bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk of the same
-plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.optim.numba_engine`: the same bits, one pass
-over the data instead of about 64 operations; docs/results/cpu_step/notes_2026-12-03.md has the timings); without
-numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are not
-contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
+moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
+of the same plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.optim.numba_engine`: the same bits,
+one pass over the data instead of about 64 operations; docs/results/cpu_step/notes_2026-12-03.md has the timings);
+without numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are
+not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
@@ -121,9 +121,9 @@ def numba_engine():
         except ImportError as e:
             _NUMBA_ENGINE = False
             logger.warning(
-                "ApexW: numba is not available (%s), so 8-bit optimizer steps on the CPU run as many separate PyTorch "
-                "operations, about twice as slow as with it; install it with: pip install 'apexw_hf[cpu]' (or pip "
-                "install numba)",
+                "ApexW: numba is not available (%s), so 8-bit and 4-bit optimizer steps on the CPU run as many "
+                "separate PyTorch operations, several times slower than with it; install it with: pip install "
+                "'apexw_hf[cpu]' (or pip install numba)",
                 e,
             )
     return _NUMBA_ENGINE or None
@@ -345,8 +345,8 @@ class _GroupPlan:
 class TorchEngine:
     """Runs :meth:`ApexW.step` for param groups in plain PyTorch (see the module docstring)."""
 
-    # 8-bit state on the CPU with fp32 or bf16 parameters runs on the fused numba path when numba is installed
-    # (numba_engine); False (per engine or on the class) keeps every chunk on the torch passes.
+    # 8-bit and 4-bit state on the CPU with fp32 or bf16 parameters run on the fused numba path when numba is
+    # installed (numba_engine); False (per engine or on the class) keeps every chunk on the torch passes.
     use_numba = True
 
     def __init__(self, optimizer):
@@ -407,8 +407,8 @@ class TorchEngine:
             self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
 
     def _fused(self, layout: _Layout):
-        """The numba module when this layout runs on it: 8-bit state, fp32 or bf16 parameters, CPU."""
-        if not (self.use_numba and layout.fmt == "8bit" and layout.dtype in (torch.float32, torch.bfloat16)):
+        """The numba module when this layout runs on it: 8-bit or 4-bit state, fp32 or bf16 parameters, CPU."""
+        if not (self.use_numba and layout.fmt in ("8bit", "4bit") and layout.dtype in (torch.float32, torch.bfloat16)):
             return None
         if layout.locals[0].device.type != "cpu":
             return None
@@ -439,7 +439,7 @@ class TorchEngine:
         if fused is not None:
             keys_mv = _stream_keys(layout.tkeys_np, rnd.mix32(t), rnd.STREAM_MV)
             for ch in layout.chunks:
-                fused.step_chunk_8bit(layout, ch, sc, grads, s, keys_mv, maximize, rounding)
+                fused.step_chunk(layout, ch, sc, grads, s, keys_mv, maximize, rounding)
             self.numba_used = True
             return
         # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.

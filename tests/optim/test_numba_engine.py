@@ -1,6 +1,6 @@
-"""The fused numba path of the plain-PyTorch engine (8-bit state on the CPU, fp32 and bf16 parameters) against
-``reference.adamw_step_ref_``, bit for bit, and the torch passes it replaces (still the path without numba, on CUDA,
-and for fp16 parameters) on the same cases.
+"""The fused numba path of the plain-PyTorch engine (8-bit and 4-bit state on the CPU, fp32 and bf16 parameters)
+against ``reference.adamw_step_ref_``, bit for bit, and the torch passes it replaces (still the path without numba,
+on CUDA, and for fp16 parameters) on the same cases.
 
 Most cases are those of ``test_torch_engine.py``, run here once per path (``path`` fixture): ``numba`` checks that
 every chunk went through the kernel, ``torch-passes`` switches it off (``TorchEngine.use_numba``). The rest are
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import apexw_hf.optim
-from apexw_hf import ApexW
+from apexw_hf import ApexW, reference
 from apexw_hf.optim import torch_engine
 
 from . import test_torch_engine as tte
@@ -29,6 +29,7 @@ except ImportError:
 
 needs_numba = pytest.mark.skipif(numba_engine is None, reason="numba is not installed")
 DTYPES = [torch.float32, torch.bfloat16]
+FORMATS = ("8bit", "4bit")
 
 
 @pytest.fixture(params=["numba", "torch-passes"])
@@ -40,36 +41,38 @@ def path(request, monkeypatch):
     if request.param == "numba":
         if numba_engine is None:
             pytest.skip("numba is not installed")
-        kernel = numba_engine.step_chunk_8bit
+        kernel = numba_engine.step_chunk
 
         def counted(*args):
             calls.append(1)
             kernel(*args)
 
-        monkeypatch.setattr(numba_engine, "step_chunk_8bit", counted)
+        monkeypatch.setattr(numba_engine, "step_chunk", counted)
     else:
         monkeypatch.setattr(torch_engine.TorchEngine, "use_numba", False)
     yield request.param
     assert bool(calls) == (request.param == "numba")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     "options",
     [dict(), dict(maximize=True), dict(param_rounding="nearest"), dict(lr=3e-2, betas=(0.8, 0.95), eps=0.0)],
     ids=["default", "maximize", "nearest", "hparams"],
 )
-def test_matches_reference(path, dtype, options):
+def test_matches_reference(path, fmt, dtype, options):
     """Tensors of 1, 255, 256, 257, 4095, 4097, 33x65, 4096, 8193 and 64x130 elements (in place, split across
     chunks, packed with block padding), four steps."""
-    tte.test_matches_reference(None, "8bit", dtype, options)
+    tte.test_matches_reference(None, fmt, dtype, options)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_special_values(path, dtype):
+def test_special_values(path, fmt, dtype):
     """Signed zeros, subnormals, values near the fp32 maximum, an all-zero block, a block with one huge value, inf
     and NaN gradients (confined to their tensor, the NaN to its block)."""
-    tte.test_special_values(None, "8bit", dtype)
+    tte.test_special_values(None, fmt, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -77,53 +80,66 @@ def test_state_at_extreme_scales(path, dtype):
     tte.test_8bit_state_at_extreme_scales(None, dtype)
 
 
-def test_groups_missing_grads_and_unequal_steps(path):
-    tte.test_groups_missing_grads_and_unequal_steps(None, "8bit")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_4bit_state_at_extreme_scales(path, dtype):
+    tte.test_4bit_state_at_extreme_scales(None, dtype)
 
 
-def test_mixed_param_and_grad_dtypes(path):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_groups_missing_grads_and_unequal_steps(path, fmt):
+    tte.test_groups_missing_grads_and_unequal_steps(None, fmt)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mixed_param_and_grad_dtypes(path, fmt):
     """fp32, bf16 and fp16 parameters (fp16 on the torch passes) with fp32 and bf16 gradients."""
-    tte.test_mixed_param_and_grad_dtypes(None, "8bit")
+    tte.test_mixed_param_and_grad_dtypes(None, fmt)
 
 
-def test_non_contiguous_param_and_grad(path):
-    tte.test_non_contiguous_param_and_grad(None, "8bit")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_contiguous_param_and_grad(path, fmt):
+    tte.test_non_contiguous_param_and_grad(None, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_resume_matches_unbroken_reference(path, dtype):
-    tte.test_resume_matches_unbroken_reference(None, "8bit", dtype)
+def test_resume_matches_unbroken_reference(path, fmt, dtype):
+    tte.test_resume_matches_unbroken_reference(None, fmt, dtype)
 
 
-def test_load_state_dict_replaces_the_cached_plan(path):
-    tte.test_load_state_dict_replaces_the_cached_plan(None, "8bit")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_load_state_dict_replaces_the_cached_plan(path, fmt):
+    tte.test_load_state_dict_replaces_the_cached_plan(None, fmt)
 
 
-def test_state_edits_between_steps_are_honored(path):
-    tte.test_state_edits_between_steps_are_honored(None, "8bit")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_state_edits_between_steps_are_honored(path, fmt):
+    tte.test_state_edits_between_steps_are_honored(None, fmt)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_torch_passes_with_cuda_semantics(monkeypatch, dtype):
+def test_torch_passes_with_cuda_semantics(monkeypatch, fmt, dtype):
     """The torch passes under CUDA's dtype rules (test_torch_engine.py's test, which would now reach the numba
     path for these dtypes)."""
     monkeypatch.setattr(torch_engine.TorchEngine, "use_numba", False)
     monkeypatch.setattr(torch_engine, "CHUNK", 4096)
-    tte.test_matches_reference_with_cuda_semantics(None, monkeypatch, "8bit", dtype)
+    tte.test_matches_reference_with_cuda_semantics(None, monkeypatch, fmt, dtype)
 
 
 @needs_numba
-def test_default_chunk_size():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_default_chunk_size(fmt):
     """The shipped chunk size: a tensor in place over two chunks, its packed tail and small tensors."""
-    tte.test_default_chunk_size("8bit")
+    tte.test_default_chunk_size(fmt)
 
 
 # ---- the kernel's arithmetic ----------------------------------------------------------------------------------
 
 
-def _one_step(values, grads, dtype=torch.float32, steps=1, **kw):
+def _one_step(values, grads, dtype=torch.float32, steps=1, fmt="8bit", **kw):
     """The engine and the reference from the same parameters, ``steps`` steps of ``grads``."""
-    opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format="8bit", seed=21, **kw)
+    opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format=fmt, seed=21, **kw)
     tte._run(opt_a, pa, opt_b, pb, [grads] * steps)
     tte.assert_same(opt_a, pa, opt_b, pb)
     assert opt_a._cpu_engine.numba_used
@@ -133,62 +149,77 @@ def _one_step(values, grads, dtype=torch.float32, steps=1, **kw):
 @needs_numba
 @pytest.mark.parametrize("top", tte._SCALES)
 @pytest.mark.parametrize("moment", ["m", "v"])
-def test_codes_at_every_boundary(top, moment):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_codes_at_every_boundary(fmt, top, moment):
     """With ``betas=(0, 0)`` a first step stores ``m = g`` and ``v = g * g``: normalized values at, between and one
-    ulp around every code's value (both codes), signed zeros, fp32 subnormals and a zero block, in blocks whose
-    maxima span the range of scales (tiny, huge, rounding up to bf16 infinity), for ``m`` directly and for ``v``
-    through ``g = sqrt(target)``."""
+    ulp around every code's value (8-bit and 4-bit codes of both moments), signed zeros, fp32 subnormals and a zero
+    block, in blocks whose maxima span the range of scales (tiny, huge, rounding up to bf16 infinity), for ``m``
+    directly and for ``v`` through ``g = sqrt(target)``."""
+    blk = reference.BLOCK if fmt == "8bit" else reference.BLOCK4
     gen = torch.Generator().manual_seed(1)
-    near = torch.cat([tte._near_every_code(3), tte._near_every_code(4)])
-    y = torch.cat([near, torch.rand(1024, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-13])
+    near = [tte._near_every_code(3), tte._near_every_code(4)]
+    near += [tte._near_every_code(0, reference.M4_BIAS), tte._near_every_code(0)]
+    y = torch.cat([*near, torch.rand(1024, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-13])
     y = y[torch.randperm(y.numel(), generator=gen)]
-    y = torch.cat([y, y.new_zeros(-y.numel() % 256 + 256)]).view(-1, 256)  # the last block all zero
+    y = torch.cat([y, y.new_zeros(-y.numel() % blk + blk)]).view(-1, blk)  # the last block all zero
     y[:-1, 0] = 1.0
     y[1, 0] = 0.77
     x = (y.double() * top).reshape(-1)
     if moment == "v":
         x = x.sqrt()
     x = x.float()
-    x[5:600:256] = 1e-45
+    x[5 : 3 * blk : blk] = 1e-45
     g = torch.where(torch.rand(x.numel(), generator=gen) < 0.5, -x, x)
     g[3::97] = -0.0
     g = g[:-37]  # a partial last block
-    _one_step([torch.randn(g.numel(), generator=gen)], [g], lr=1e-3, betas=(0.0, 0.0), weight_decay=0.0)
+    kw = dict(lr=1e-3, betas=(0.0, 0.0), weight_decay=0.0)
+    _one_step([torch.randn(g.numel(), generator=gen)], [g], fmt=fmt, **kw)
 
 
 @needs_numba
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_code_decoded_under_extreme_scales(dtype):
-    """Every code of both moments (those above the largest the encoder writes too) under block scales 0, bf16
-    subnormal, ordinary, huge, inf and NaN, then a step with zero and with random gradients."""
-    n = 256 * 8
-    codes = torch.arange(256, dtype=torch.uint8).repeat(8)
-    scales = torch.tensor([0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_decoded_under_extreme_scales(fmt, dtype):
+    """Every code of both moments (those above the largest the encoder writes too; 4-bit: every byte) under block
+    scales 0, bf16 subnormal, ordinary, huge (2**8 * scale overflowing too), inf and NaN, then a step with zero and
+    with random gradients."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    scales = [0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126, 2.0**119, 2.0**120, 3.3e38]
+    if fmt == "8bit":
+        codes = codes.repeat(11)
+    else:
+        codes = codes.repeat_interleave(2).repeat(6)[: 128 * 11]
+    scales = torch.tensor(scales).to(torch.bfloat16)
+    n = codes.numel()
     gen = torch.Generator().manual_seed(4)
     values = [torch.randn(n, generator=gen)]
     for g in (torch.zeros(n), torch.randn(n, generator=gen)):
-        opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format="8bit", lr=1e-3)
+        opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format=fmt, lr=1e-3)
         for opt, ps in ((opt_a, pa), (opt_b, pb)):
             state = opt._init_state(ps[0], opt.param_groups[0])
-            state["exp_avg"].copy_(codes)
-            state["exp_avg_sq"].copy_(codes.flip(0))
-            state["exp_avg_scale"].copy_(scales.to(torch.bfloat16))
-            state["exp_avg_sq_scale"].copy_(scales.flip(0).to(torch.bfloat16))
+            if fmt == "8bit":
+                state["exp_avg"].copy_(codes)
+                state["exp_avg_sq"].copy_(codes.flip(0))
+            else:
+                state["exp_avg_mv"].copy_(codes)
+            state["exp_avg_scale"].copy_(scales)
+            state["exp_avg_sq_scale"].copy_(scales.flip(0))
         tte._run(opt_a, pa, opt_b, pb, [[g]])
         tte.assert_same(opt_a, pa, opt_b, pb)
         assert opt_a._cpu_engine.numba_used
 
 
 @needs_numba
-def test_square_root_over_the_fp32_range():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_square_root_over_the_fp32_range(fmt):
     """``v = g * g`` from about 2**-149 to 2**127 (fp32 subnormals to the largest finite values), so the
     parameter's bits depend on a correctly rounded fp32 root of every magnitude."""
     gen = torch.Generator().manual_seed(5)
     n = 1 << 14
     g = (torch.rand(n, generator=gen) * 2 - 1) * torch.logspace(-22.5, 19.2, n, dtype=torch.float64).float()
     g = g[torch.randperm(n, generator=gen)]
-    _one_step([torch.randn(n, generator=gen)], [g], lr=1e-3, betas=(0.0, 0.0))
-    _one_step([torch.randn(n, generator=gen)], [g], steps=3, lr=1e-3)
+    _one_step([torch.randn(n, generator=gen)], [g], fmt=fmt, lr=1e-3, betas=(0.0, 0.0))
+    _one_step([torch.randn(n, generator=gen)], [g], fmt=fmt, steps=3, lr=1e-3)
 
 
 @needs_numba
@@ -210,14 +241,15 @@ def test_thread_count_follows_torch(threads):
 
 @needs_numba
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_gradient_dtypes(dtype):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gradient_dtypes(fmt, dtype):
     """fp32, bf16 and fp16 gradients of fp32 parameters (fp16 ones widened into the scratch first)."""
     values, grads = tte._random([(5000,), (300,)], steps=3, seed=10)
     pa, pb = tte._make(values, torch.float32), tte._make(values, torch.float32)
     for p in pa + pb:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None
-    opt_a, opt_b = (ApexW(ps, state_format="8bit", engine="torch", lr=1e-2) for ps in (pa, pb))
+    opt_a, opt_b = (ApexW(ps, state_format=fmt, engine="torch", lr=1e-2) for ps in (pa, pb))
     for row in grads:
         for x, y, g in zip(pa, pb, row):
             x.grad, y.grad = g.to(dtype), g.to(dtype)
@@ -228,18 +260,14 @@ def test_gradient_dtypes(dtype):
 
 
 def test_other_formats_and_fp16_stay_on_the_torch_passes():
-    """The numba path takes 8-bit state with fp32 and bf16 parameters only."""
-    for fmt, dtype in (("compact", torch.float32), ("4bit", torch.float32), ("fp32", torch.float32)):
+    """The numba path takes 8-bit and 4-bit state with fp32 and bf16 parameters only."""
+    cases = [("compact", torch.float32), ("fp32", torch.bfloat16), ("8bit", torch.float16), ("4bit", torch.float16)]
+    for fmt, dtype in cases:
         p = torch.nn.Parameter(torch.randn(300, dtype=dtype))
         opt = ApexW([p], state_format=fmt)
         p.grad = torch.randn_like(p)
         opt.step()
-        assert not opt._cpu_engine.numba_used, fmt
-    p = torch.nn.Parameter(torch.randn(300, dtype=torch.float16))
-    opt = ApexW([p], state_format="8bit")
-    p.grad = torch.randn_like(p)
-    opt.step()
-    assert not opt._cpu_engine.numba_used
+        assert not opt._cpu_engine.numba_used, (fmt, dtype)
 
 
 def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
@@ -258,9 +286,10 @@ def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
     assert len(warnings) == 1 and "pip install" in warnings[0]  # once, not per step
 
 
-def test_engine_reports_the_numba_path():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_engine_reports_the_numba_path(fmt):
     p = torch.nn.Parameter(torch.randn(SHAPES[-1]))
-    opt = ApexW([p], state_format="8bit")
+    opt = ApexW([p], state_format=fmt)
     p.grad = torch.randn_like(p)
     opt.step()
     assert opt._cpu_engine.numba_used == (numba_engine is not None)
