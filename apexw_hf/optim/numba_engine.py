@@ -42,6 +42,9 @@ from .. import _random as rnd
 from .. import reference as ref
 from .state import SCALE_KEYS, moment_keys
 
+if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only in compiled code
+    raise ImportError("numba's JIT is disabled (NUMBA_DISABLE_JIT)")
+
 
 @intrinsic
 def f32_bits(typingctx, x):

@@ -270,6 +270,24 @@ def test_other_formats_and_fp16_stay_on_the_torch_passes():
         assert not opt._cpu_engine.numba_used, (fmt, dtype)
 
 
+@needs_numba
+def test_numba_with_its_jit_disabled_is_not_used(monkeypatch, caplog):
+    """``NUMBA_DISABLE_JIT=1`` (numba's debugging switch) would run the kernels as Python: the torch passes run."""
+    import numba
+
+    monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
+    monkeypatch.delitem(sys.modules, "apexw_hf.optim.numba_engine")
+    monkeypatch.delattr(apexw_hf.optim, "numba_engine", raising=False)
+    monkeypatch.setattr(torch_engine, "_NUMBA_ENGINE", None)
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = ApexW([p], state_format="8bit")
+    p.grad = torch.randn_like(p)
+    with caplog.at_level(logging.WARNING, logger=torch_engine.__name__):
+        opt.step()
+    assert not opt._cpu_engine.numba_used
+    assert any("NUMBA_DISABLE_JIT" in r.getMessage() for r in caplog.records)
+
+
 def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
     """numba missing: the torch passes step (the reference's bits), and a warning says how to install numba."""
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
