@@ -48,6 +48,8 @@ if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only i
 
 @intrinsic
 def f32_bits(typingctx, x):
+    """The uint32 bits of an fp32 scalar (a bit cast, which numba has no operation for on scalars)."""
+
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
@@ -56,12 +58,17 @@ def f32_bits(typingctx, x):
 
 @intrinsic
 def bits_f32(typingctx, x):
+    """The fp32 scalar of uint32 bits."""
+
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
 
     return types.float32(types.uint32), codegen
 
 
+# Constants are NumPy scalars, which numba types as uint32 / float32: a Python float is float64 and would carry fp32
+# arithmetic into fp64 (one rounding where the reference has two), a Python int is int64, and uint32 mixed with int64
+# becomes float64 in numba.
 u32 = np.uint32
 u64 = np.uint64
 f32 = np.float32
@@ -94,6 +101,7 @@ MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
 @njit(inline="always")
 def mix32(x):
+    """murmur3's 32-bit finalizer (``_random.mix32``); the products are taken mod 2**32 by the uint32 cast."""
     x = x ^ (x >> S16)
     x = u32(x * MIX1)
     x = x ^ (x >> S13)
@@ -111,6 +119,7 @@ def round_up_bf16(amax_bits):
 
 @njit(inline="always")
 def inverse(scale16):
+    """``reference._scale``'s reciprocal of a bf16 scale (its bits): ``1 / scale`` in fp32, 0 for a zero scale."""
     s = bits_f32(u32(scale16) << S16)
     if s == F_ZERO:
         return F_ZERO
