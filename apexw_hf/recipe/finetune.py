@@ -397,6 +397,9 @@ def run_finetune(
     if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
         result["optimizer_engine"] = ",".join(engines)
         result["optimizer_triton_engine_used"] = getattr(real_opt, "_engine", None) is not None
+        cpu_engine = getattr(real_opt, "_cpu_engine", None)  # the plain-PyTorch engine, and its fused numba path
+        result["optimizer_torch_engine_used"] = cpu_engine is not None
+        result["optimizer_numba_used"] = bool(getattr(cpu_engine, "numba_used", False))
     if torch.cuda.is_available():
         result["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_gpu_mem_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -55,6 +55,12 @@ def test_two_run_grid(tmp_path):
         pids.add(r["prepared"]["model"])
     assert len(pids) == 1  # both runs start from the same prepared base
     assert runs["apexw_8bit"]["optimizer_class"].endswith("ApexW8bit")
+    # which engine ran is recorded: on a CPU the plain-PyTorch engine, fused through numba when it is importable
+    from apexw_hf.optim.torch_engine import numba_engine
+
+    r8 = runs["apexw_8bit"]
+    assert r8["optimizer_torch_engine_used"] and not r8["optimizer_triton_engine_used"]
+    assert r8["optimizer_numba_used"] == (numba_engine() is not None)
     assert runs["adamw_torch"]["optimizer_class"] == "torch.optim.adamw.AdamW"
     # fp32 AdamW keeps 8 bytes per trainable parameter (plus a step counter per tensor); 8-bit about a quarter
     n = runs["adamw_torch"]["trainable_params"]
