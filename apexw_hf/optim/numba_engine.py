@@ -31,6 +31,10 @@ A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = 
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import numba
 import numpy as np
 import torch
@@ -44,6 +48,15 @@ from .state import SCALE_KEYS, moment_keys
 
 if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only in compiled code
     raise ImportError("numba's JIT is disabled (NUMBA_DISABLE_JIT)")
+
+# numba's threading layer: "workqueue" unless the user chose one (NUMBA_THREADING_LAYER) or numba already started
+# its threads. Its workers sleep between parallel calls; the OpenMP layer's keep spinning, which takes the cores from
+# torch's own threads and from other processes: the offline default (apexw-compare, 2 training processes on 2 cores)
+# ran ApexW 8bit at 5.3-5.9 steps/s with the OpenMP layer and 17-19 with workqueue, torch AdamW ~21
+# (docs/results/cpu_step/notes_2026-12-03.md). workqueue runs one parallel call at a time per process: _LOCK.
+if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
+    numba.config.THREADING_LAYER = "workqueue"
+_LOCK = threading.Lock()
 
 
 @intrinsic
@@ -410,9 +423,10 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
         ],
         np.float32,
     )
-    ntasks = set_threads()
     kernel = step_4bit if four else step_8bit
-    kernel(p32, p16, g32, g16, *codes, ms, vs, tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode, ntasks)
+    with _LOCK:
+        ntasks = set_threads()
+        kernel(p32, p16, g32, g16, *codes, ms, vs, tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode, ntasks)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
         if io["moments_out"][0]:
@@ -425,3 +439,16 @@ def set_threads() -> int:
     if numba.get_num_threads() != n:
         numba.set_num_threads(n)
     return n
+
+
+def warm_up() -> float:
+    """Compile both kernels, or load them from numba's disk cache, so that no training run's first step does; the
+    seconds it took. The comparison runner calls it once before a CPU grid's runs (each run is a new process)."""
+    from .base import ApexW
+
+    t0 = time.perf_counter()
+    for fmt in FORMATS:
+        p = torch.nn.Parameter(torch.zeros(300))
+        p.grad = torch.zeros(300)
+        ApexW([p], state_format=fmt, engine="torch").step()
+    return time.perf_counter() - t0
