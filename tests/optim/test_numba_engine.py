@@ -11,6 +11,7 @@ fp32 range, thread counts, and the fallback when numba cannot be imported.
 
 import logging
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,3 +312,35 @@ def test_engine_reports_the_numba_path(fmt):
     p.grad = torch.randn_like(p)
     opt.step()
     assert opt._cpu_engine.numba_used == (numba_engine is not None)
+
+
+_LAYER_SCRIPT = """
+import os, numba, torch
+from apexw_hf import ApexW8bit
+p = torch.nn.Parameter(torch.zeros(300)); p.grad = torch.ones(300)
+ApexW8bit([p]).step()
+chosen = os.environ.get("NUMBA_THREADING_LAYER")
+print(numba.config.THREADING_LAYER, numba.threading_layer() if chosen is None else "-")
+"""
+
+
+@needs_numba
+@pytest.mark.parametrize("chosen", [None, "omp"])
+def test_threading_layer_workqueue_unless_chosen(chosen):
+    """The fused path's threads must sleep between steps (numba's OpenMP workers spin and took the cores from torch and
+    from a second training process): workqueue, unless the user set NUMBA_THREADING_LAYER (then left alone)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    if chosen:
+        env["NUMBA_THREADING_LAYER"] = chosen
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-c", _LAYER_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    config, used = out.stdout.split()
+    if chosen is None:
+        assert config == used == "workqueue"
+    else:
+        assert config == chosen and used == "-"  # the user's choice stays (not launched here: it may be unavailable)
