@@ -23,7 +23,7 @@ Host work per step that remains, and why:
   every gradient are checked again, in a few C-level passes over the list (an unchanged address list means the same
   allocations as the checked ones). Gradients at new addresses every step are common (``zero_grad`` frees them, and
   the allocator need not hand back the same blocks): on 392 LoRA tensors such a step cost ~0.7 ms of host time with a
-  Python check per gradient, ~0.2 ms with the passes (this project's 2-core CPU, launch stubbed).
+  Python check per gradient, ~0.3 ms with the passes (this project's 2-core CPU, launch stubbed).
 * comparing the list of stepping params with the cached one (``id`` list, C speed), to notice params whose
   gradient is ``None`` this step; those are skipped in the kernel (address 0) and keep their step count.
 * one fp32 rounding of the hyperparameters (:class:`~apexw_hf.reference.StepScalars`) per group, or, when params of
@@ -157,7 +157,7 @@ class TritonEngine:
                 f"shape {tuple(g.shape)}, strides {g.stride()}, device {g.device} for a parameter of shape "
                 f"{tuple(p.shape)} on {p.device}"
             )
-        if g.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if g.dtype not in _GRAD_DTYPES:
             raise TypeError(f"unsupported gradient dtype {g.dtype}; allowed: float32, bfloat16, float16")
 
     def _check_grads(

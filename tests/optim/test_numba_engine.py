@@ -57,11 +57,7 @@ def path(request, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    "options",
-    [dict(), dict(maximize=True), dict(param_rounding="nearest"), dict(lr=3e-2, betas=(0.8, 0.95), eps=0.0)],
-    ids=["default", "maximize", "nearest", "hparams"],
-)
+@tte.OPTIONS
 def test_matches_reference(path, fmt, dtype, options):
     """Tensors of 1, 255, 256, 257, 4095, 4097, 33x65, 4096, 8193 and 64x130 elements (in place, split across
     chunks, packed with block padding), four steps."""

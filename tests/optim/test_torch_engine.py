@@ -105,13 +105,17 @@ def _random(shapes, steps, seed=0):
     return values, grads
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
+# optimizer options every path is compared under (also tests/optim/test_numba_engine.py)
+OPTIONS = pytest.mark.parametrize(
     "options",
     [dict(), dict(maximize=True), dict(param_rounding="nearest"), dict(lr=3e-2, betas=(0.8, 0.95), eps=0.0)],
     ids=["default", "maximize", "nearest", "hparams"],
 )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@OPTIONS
 def test_matches_reference(small_chunks, fmt, dtype, options):
     values, grads = _random(SHAPES + [(4096,), (8193,), (64, 130)], steps=4)
     kw = dict(lr=1e-2, weight_decay=0.1, state_format=fmt, seed=7)
