@@ -416,15 +416,28 @@ class ApexW(torch.optim.Optimizer):
 
 _TRITON_OK: bool | None = None
 _WARNED_NO_TRITON = False
+_WARNED_INTERPRETER = False
 
 
 def _auto_uses_triton(on_cuda: bool) -> bool:
-    """engine="auto": the kernels for CUDA parameters; says so once when triton is missing there."""
-    global _WARNED_NO_TRITON
+    """engine="auto": the kernels for CUDA parameters; says so once when triton is missing there, or when the Triton
+    interpreter is selected (it runs kernels on CPU tensors only)."""
+    global _WARNED_NO_TRITON, _WARNED_INTERPRETER
     if not on_cuda:
         return False
     if _triton_available():
-        return True
+        if not _interpreted():
+            return True
+        if not _WARNED_INTERPRETER:
+            _WARNED_INTERPRETER = True
+            warnings.warn(
+                "ApexW: TRITON_INTERPRET=1 is set, and the Triton interpreter cannot run kernels on CUDA tensors, "
+                "so CUDA parameters go to the plain-PyTorch path (the same results, many times slower). Unset "
+                "TRITON_INTERPRET before apexw_hf is imported to use the kernels.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return False
     if not _WARNED_NO_TRITON:
         _WARNED_NO_TRITON = True
         warnings.warn(
@@ -447,3 +460,16 @@ def _triton_available() -> bool:
         except ImportError:
             _TRITON_OK = False
     return _TRITON_OK
+
+
+_INTERPRETED: bool | None = None
+
+
+def _interpreted() -> bool:
+    """Whether the kernels were decorated for the Triton interpreter (``TRITON_INTERPRET=1`` at their import)."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        from ..kernels import INTERPRETED
+
+        _INTERPRETED = INTERPRETED
+    return _INTERPRETED

@@ -112,6 +112,13 @@ class TritonEngine:
         from ..kernels import INTERPRETED
 
         p = dt.local(p)
+        if p.device.type == "cuda" and INTERPRETED:
+            # The interpreter runs the kernel on the host and would dereference device addresses there (a crash).
+            raise RuntimeError(
+                "engine='triton' cannot step CUDA parameters while TRITON_INTERPRET=1: the Triton interpreter runs "
+                "the kernels on CPU tensors only. Unset TRITON_INTERPRET before apexw_hf.kernels is imported, or use "
+                "engine='auto' or 'torch' (the plain-PyTorch path, same results, slower)."
+            )
         if p.device.type == "cuda" or (p.device.type == "cpu" and INTERPRETED):
             return
         if p.device.type == "cpu":

@@ -8,14 +8,17 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # TRL 1.15's SFTTrainer computes its loss with a Triton kernel (trl/kernels/chunked_logprob.py) whatever the
 # device; on a machine without a GPU that only runs under the Triton interpreter, which must be chosen before
-# TRL's kernels are decorated (the kernel tests of this repository run under it too).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# TRL's kernels are decorated (the kernel tests of this repository run under it too). Not on a GPU machine: the
+# interpreter cannot run kernels on CUDA tensors, and the GPU tests collected beside these need compiled kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")

@@ -1,5 +1,7 @@
 """ApexW with engine="triton" against engine="torch": same bits through groups, missing grads, dtype changes."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -171,6 +173,35 @@ def test_cpu_without_interpreter_raises(monkeypatch):
     opt = ApexW([p], engine="triton")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         opt.step()
+
+
+def test_cuda_parameters_under_the_interpreter(monkeypatch):
+    """With TRITON_INTERPRET=1 the interpreter would run the kernel on the host over device addresses (a crash):
+    engine='triton' refuses CUDA parameters with a clear error; engine='auto' sends them to the plain-PyTorch path
+    and says so once."""
+    import types
+
+    import apexw_hf.kernels as k
+    from apexw_hf.optim import base
+    from apexw_hf.optim.engine import TritonEngine
+
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # only its device is looked at
+    monkeypatch.setattr(k, "INTERPRETED", True)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        TritonEngine._check_device(on_cuda)
+    monkeypatch.setattr(k, "INTERPRETED", False)
+    TritonEngine._check_device(on_cuda)  # compiled kernels: CUDA parameters are what they run on
+
+    monkeypatch.setattr(base, "_INTERPRETED", True)
+    monkeypatch.setattr(base, "_WARNED_INTERPRETER", False)
+    with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1 is set"):
+        assert base._auto_uses_triton(True) is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        assert base._auto_uses_triton(True) is False
+        assert base._auto_uses_triton(False) is False
+    monkeypatch.setattr(base, "_INTERPRETED", False)
+    assert base._auto_uses_triton(True) is True
 
 
 def _compiled_kernels() -> int | None:
