@@ -562,6 +562,7 @@ def main():
         warmup_seconds=args.warmup_seconds,
         min_window_seconds=args.min_window,
         hyperparameters=HP,
+        moving_grads=args.moving_grads,  # gradients at new addresses every step (two sets swapped), or fixed
     )
     result = dict(environment=env, settings=settings, rows=[])
     if args.tune:

@@ -69,6 +69,14 @@ def report(path: Path) -> tuple[str, dict]:
         "`floor` = bytes the step must move (params and grads read, params and states written back) / copy bandwidth.",
         "",
     ]
+    # Runs before the flag was recorded in the settings are marked by their file name (`*_moving.json`).
+    if data["settings"].get("moving_grads", path.stem.endswith("_moving")):
+        lines += [
+            "**Gradients at new addresses every step** (`--moving-grads`: two sets of equal values swapped before "
+            "each step, outside the timed span), as in training loops whose `zero_grad` frees them; the other runs "
+            "keep one set of gradients.",
+            "",
+        ]
     if data.get("launch_config"):
         lines += [f"Kernel tiles used (rows of 256, warps) by format and param bytes: `{data['launch_config']}`", ""]
     clocks = any("sm_clock_mhz_median" in r for r in rows)  # runs since the benchmark samples nvidia-smi
