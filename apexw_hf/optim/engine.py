@@ -23,7 +23,8 @@ Host work per step that remains, and why:
   every gradient are checked again, in a few C-level passes over the list (an unchanged address list means the same
   allocations as the checked ones). Gradients at new addresses every step are common (``zero_grad`` frees them, and
   the allocator need not hand back the same blocks): on 392 LoRA tensors such a step cost ~0.7 ms of host time with a
-  Python check per gradient, ~0.3 ms with the passes (this project's 2-core CPU, launch stubbed).
+  Python check per gradient, ~0.3 ms with the passes (this project's 2-core CPU, launch stubbed). ``grad_moves``
+  counts the steps that paid it (the recipe records it per run).
 * comparing the list of stepping params with the cached one (``id`` list, C speed), to notice params whose
   gradient is ``None`` this step; those are skipped in the kernel (address 0) and keep their step count.
 * one fp32 rounding of the hyperparameters (:class:`~apexw_hf.reference.StepScalars`) per group, or, when params of
@@ -102,6 +103,9 @@ class TritonEngine:
 
         self.optimizer = optimizer
         self._cache: dict[int, _GroupCache] = {}
+        # Group steps whose gradients were at new addresses (all checked again, the address table copied): a
+        # diagnostic for host time (the recipe records it), ~0.2-0.4 ms each on 392 LoRA tensors.
+        self.grad_moves = 0
 
     def invalidate(self) -> None:
         """Forget all cached launch metadata (state tensors were replaced)."""
@@ -230,6 +234,7 @@ class TritonEngine:
                 full = ids == cache.member_ids
                 slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
             cache.grad_ptrs = slot_ptrs
+            self.grad_moves += 1
 
         # Step counters: all cached params in one add, or only the stepping ones.
         if full:

@@ -70,6 +70,7 @@ CSV_FIELDS = [
     "optimizer_class",
     "optimizer_engine",
     "optimizer_triton_engine_used",
+    "optimizer_grad_moves",
     "optimizer_torch_engine_used",
     "optimizer_numba_used",
     "data_source",

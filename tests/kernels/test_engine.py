@@ -347,6 +347,9 @@ def test_engine_checks_gradients_that_moved(case):
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
+    assert opt._engine.grad_moves == 1  # the first step's addresses are new too
+    opt.step()
+    assert opt._engine.grad_moves == 1  # the same gradients: nothing to check again
     for p in ps:
         p.grad = torch.randn_like(p)  # new allocations, all fine
     error, match = _set_bad_grad(ps[3], case)
@@ -360,4 +363,5 @@ def test_engine_checks_gradients_that_moved(case):
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()  # good gradients step again
-    assert all(float(opt.state[p]["step"]) == 2 for p in ps)
+    assert all(float(opt.state[p]["step"]) == 3 for p in ps)
+    assert opt._engine.grad_moves == 2  # the refused step is not counted
