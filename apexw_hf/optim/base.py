@@ -426,7 +426,9 @@ def _auto_uses_triton(on_cuda: bool) -> bool:
     if not on_cuda:
         return False
     if _triton_available():
-        if not _interpreted():
+        from ..kernels import INTERPRETED
+
+        if not INTERPRETED:
             return True
         if not _WARNED_INTERPRETER:
             _WARNED_INTERPRETER = True
@@ -460,16 +462,3 @@ def _triton_available() -> bool:
         except ImportError:
             _TRITON_OK = False
     return _TRITON_OK
-
-
-_INTERPRETED: bool | None = None
-
-
-def _interpreted() -> bool:
-    """Whether the kernels were decorated for the Triton interpreter (``TRITON_INTERPRET=1`` at their import)."""
-    global _INTERPRETED
-    if _INTERPRETED is None:
-        from ..kernels import INTERPRETED
-
-        _INTERPRETED = INTERPRETED
-    return _INTERPRETED

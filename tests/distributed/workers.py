@@ -2,6 +2,7 @@
 
 import os
 import sys
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def save_result(out_dir, rank, obj):
     torch.save(obj, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def finish(barrier: bool = True):
+def finish(barrier: bool = True) -> NoReturn:
     """End a rank, after its results are written: wait for the others (so no rank tears gloo down while another is
     still in a collective), leave the process group, then exit without the interpreter's teardown. With the barrier in
     place a rank still aborted now and then at exit ("terminate called without an active exception", SIGABRT with no

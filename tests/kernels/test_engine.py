@@ -192,7 +192,7 @@ def test_cuda_parameters_under_the_interpreter(monkeypatch):
     monkeypatch.setattr(k, "INTERPRETED", False)
     TritonEngine._check_device(on_cuda)  # compiled kernels: CUDA parameters are what they run on
 
-    monkeypatch.setattr(base, "_INTERPRETED", True)
+    monkeypatch.setattr(k, "INTERPRETED", True)
     monkeypatch.setattr(base, "_WARNED_INTERPRETER", False)
     with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1 is set"):
         assert base._auto_uses_triton(True) is False
@@ -200,7 +200,7 @@ def test_cuda_parameters_under_the_interpreter(monkeypatch):
         warnings.simplefilter("error")  # once only
         assert base._auto_uses_triton(True) is False
         assert base._auto_uses_triton(False) is False
-    monkeypatch.setattr(base, "_INTERPRETED", False)
+    monkeypatch.setattr(k, "INTERPRETED", False)
     assert base._auto_uses_triton(True) is True
 
 

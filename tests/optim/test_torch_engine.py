@@ -9,7 +9,6 @@ chunks, packed several to a chunk, and packed with 8-bit (4-bit) block padding.
 
 import io
 import os
-import sys
 import tempfile
 
 import pytest
@@ -20,6 +19,7 @@ from apexw_hf import ApexW, reference
 from apexw_hf.optim import dtensor as dt
 from apexw_hf.optim import torch_engine, torch_passes
 
+from ..distributed import workers
 from .helpers import FORMATS, SHAPES, same_bits
 
 FORMATS = tuple(dict.fromkeys((*FORMATS, "4bit")))
@@ -694,14 +694,8 @@ def _dtensor_worker(rank, world, store, out):
                 for k in sb
                 if not (same_bits(sa[k], sb[k]) if isinstance(sb[k], torch.Tensor) else sa[k] == sb[k])
             ]
-    torch.save(failures, os.path.join(out, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip the interpreter's teardown, where a native thread destroyed at exit now and then aborts a rank whose work is
-    # done (see tests/distributed/workers.py, finish).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    workers.save_result(out, rank, failures)
+    workers.finish()
 
 
 @pytest.mark.skipif(not dt.DTensor or not torch.distributed.is_available(), reason="torch without distributed")
