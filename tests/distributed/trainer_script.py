@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from apexw_hf import ApexW
+from tests.distributed import workers  # the test puts the repository root on PYTHONPATH
 
 
 def main(out_dir, fmt, resume):
@@ -42,3 +43,5 @@ def main(out_dir, fmt, resume):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else "")
+    # Leave like the spawned ranks do: a rank aborting in the interpreter's teardown would fail the launch.
+    workers.finish()
