@@ -7,6 +7,8 @@ takes seconds):
 * if transformers' modules are already imported, they are patched at once;
 * otherwise a ``sys.meta_path`` finder waits for ``transformers.training_args`` (and ``trainer_optimizer`` /
   ``trainer``) to be imported and patches each right after its code has run, before the importer sees it;
+* it wraps two methods of ``accelerate.Accelerator`` for optimizers with gradient release
+  (:mod:`apexw_hf.integrations.accelerate`: the pre-clip ``grad_norm``, refusals before the first update);
 * the same finder patches Unsloth's CPU mode (``unsloth_zoo.cpu.trainer``), which would otherwise rewrite
   ``optim="apexw_8bit"`` to ``adamw_torch_fused`` (see :mod:`apexw_hf.integrations.unsloth`).
 
@@ -46,6 +48,12 @@ def _on_trainer(module) -> None:
     register_optimizer_handler(trainer_optimizer_module=sys.modules.get(_TRAINER_OPTIMIZER), trainer_module=module)
 
 
+def _on_accelerator(module) -> None:
+    from .accelerate import patch_accelerator
+
+    patch_accelerator(module)
+
+
 def _on_unsloth_cpu_trainer(module) -> None:
     from .unsloth import on_cpu_trainer_imported
 
@@ -53,11 +61,13 @@ def _on_unsloth_cpu_trainer(module) -> None:
 
 
 _UNSLOTH_CPU_TRAINER = "unsloth_zoo.cpu.trainer"
+_ACCELERATOR = "accelerate.accelerator"
 _HOOKS = {
     _TRAINING_ARGS: _on_training_args,
     _TRAINER_OPTIMIZER: _on_trainer_optimizer,
     _TRAINER: _on_trainer,
     _UNSLOTH_CPU_TRAINER: _on_unsloth_cpu_trainer,
+    _ACCELERATOR: _on_accelerator,
 }
 
 
@@ -65,6 +75,15 @@ def _run_hook(name: str, module) -> None:
     try:
         _HOOKS[name](module)
     except Exception as exc:  # never break `import transformers`; say loudly what did not happen
+        if name == _ACCELERATOR:
+            warnings.warn(
+                f"apexw_hf could not wrap accelerate.Accelerator ({type(exc).__name__}: {exc}); ApexW with gradient "
+                "release under Accelerate or the Trainer will log grad_norm 0 and is not checked for fp16, gradient "
+                "accumulation or DDP. Please report this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         warnings.warn(
             f"apexw_hf could not register its optimizer names with {name} ({type(exc).__name__}: {exc}); "
             "optim='apexw_8bit'/'apexw_4bit'/'apexw_compact' will not be accepted. Use "

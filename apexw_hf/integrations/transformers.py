@@ -33,6 +33,8 @@ __all__ = [
     "parse_optim_args",
     "get_optimizer_cls_and_kwargs",
     "check_model_for_training_args",
+    "check_gradient_release_args",
+    "uses_gradient_release",
     "register",
     "register_optimizer_names",
     "register_optimizer_handler",
@@ -40,11 +42,17 @@ __all__ = [
 
 # optim name -> (OptimizerNames member name, state_format). "fp32" state gets no name of its own: it is the
 # reference format for A/B tests, reachable as optim_args="state_format=fp32", and plain AdamW has names already.
+# The "_release" names turn on gradient release (each parameter updated inside backward, its gradient freed: see
+# apexw_hf.optim.release), the same as optim_args="gradient_release=true".
 APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "apexw_8bit": ("APEXW_8BIT", "8bit"),
     "apexw_compact": ("APEXW_COMPACT", "compact"),
     "apexw_4bit": ("APEXW_4BIT", "4bit"),
+    "apexw_8bit_release": ("APEXW_8BIT_RELEASE", "8bit"),
+    "apexw_compact_release": ("APEXW_COMPACT_RELEASE", "compact"),
+    "apexw_4bit_release": ("APEXW_4BIT_RELEASE", "4bit"),
 }
+RELEASE_SUFFIX = "_release"
 
 _STATE_FORMATS = ("compact", "8bit", "4bit", "fp32")
 _ENGINES = ("auto", "triton", "torch")
@@ -60,6 +68,8 @@ OPTIM_ARGS: dict[str, str] = {
     "engine": "auto|triton|torch",
     "param_rounding": "stochastic|nearest",
     "maximize": "true|false",
+    "gradient_release": "true|false",
+    "release_bucket_size": "<int >= 1, gradient elements per launch>",
 }
 _OWNED_BY_TRAINING_ARGS = {
     "lr": "learning_rate",
@@ -95,12 +105,20 @@ def _convert(key: str, raw: str) -> Any:
         if not 0 <= seed < 2**32:
             raise ValueError(f"optim_args: seed={raw!r} is not allowed; seed must be an int in [0, 2**32)")
         return seed
-    if key == "maximize":
+    if key in ("maximize", "gradient_release"):
         if low in _TRUE:
             return True
         if low in _FALSE:
             return False
-        raise ValueError(f"optim_args: maximize={raw!r} is not allowed; maximize must be true or false")
+        raise ValueError(f"optim_args: {key}={raw!r} is not allowed; {key} must be true or false")
+    if key == "release_bucket_size":
+        try:
+            size = int(low, 0)
+        except ValueError:
+            size = 0
+        if size < 1:
+            raise ValueError(f"optim_args: release_bucket_size={raw!r} is not allowed; it must be an int >= 1")
+        return size
     raise AssertionError(key)
 
 
@@ -160,7 +178,42 @@ def parse_optim_args(optim_args: str | dict | None, optim: str = "apexw_8bit") -
 def _optimizer_class(name: str):
     from ..optim import ApexW4bit, ApexW8bit, ApexWCompact
 
-    return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact, "apexw_4bit": ApexW4bit}[name]
+    base = name.removesuffix(RELEASE_SUFFIX)
+    return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact, "apexw_4bit": ApexW4bit}[base]
+
+
+def uses_gradient_release(args) -> bool:
+    """Whether these ``TrainingArguments`` select ApexW with gradient release (a ``_release`` name or optim_args)."""
+    if not _is_apexw(args.optim):
+        return False
+    name = _name_of(args.optim)
+    return name.endswith(RELEASE_SUFFIX) or bool(parse_optim_args(args.optim_args, name).get("gradient_release"))
+
+
+def check_gradient_release_args(args) -> None:
+    """Refuse, with what to set instead, the Trainer settings that gradient release cannot honour."""
+    if not uses_gradient_release(args):
+        return
+    name = _name_of(args.optim)
+    if getattr(args, "gradient_accumulation_steps", 1) > 1:
+        raise ValueError(
+            f"optim={name!r} with gradient release cannot accumulate gradients "
+            f"(gradient_accumulation_steps={args.gradient_accumulation_steps}): each parameter is updated as soon as "
+            "its gradient is complete, in every backward pass. Set gradient_accumulation_steps=1 and raise "
+            "per_device_train_batch_size instead, or use the optimizer without release "
+            f"(optim={name.removesuffix(RELEASE_SUFFIX)!r})."
+        )
+    if getattr(args, "fp16", False):
+        raise ValueError(
+            f"optim={name!r} with gradient release cannot train with fp16=True: the GradScaler would need every "
+            "gradient before the update (to unscale it and skip steps with inf/NaN), and release applies each one in "
+            "backward. Use bf16=True (Ampere or newer), or the optimizer without release."
+        )
+    if getattr(args, "deepspeed", None):
+        raise ValueError(
+            f"optim={name!r} with gradient release cannot run under DeepSpeed, which owns the gradients; use FSDP2 "
+            "(fsdp_version 2) or one GPU, or the optimizer without release."
+        )
 
 
 def check_model_for_training_args(args, model) -> None:
@@ -209,6 +262,19 @@ def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]
         "state_format": APEXW_OPTIMIZERS[name][1],
     }
     kwargs.update(parse_optim_args(args.optim_args, name))
+    if name.endswith(RELEASE_SUFFIX):
+        kwargs["gradient_release"] = True
+    if kwargs.get("gradient_release"):
+        check_gradient_release_args(args)
+        # The Trainer's clip_grad_norm_ finds no gradients after backward: the optimizer clips in backward instead
+        # (and Accelerate's clip_grad_norm_ returns its pre-clip norm, which the Trainer logs as grad_norm).
+        max_norm = getattr(args, "max_grad_norm", None)
+        kwargs["max_grad_norm"] = float(max_norm) if max_norm and max_norm > 0 else None
+    elif "release_bucket_size" in kwargs:
+        raise ValueError(
+            f"optim_args for optim={name!r}: release_bucket_size is for gradient release; add gradient_release=true "
+            f"or use optim={name + RELEASE_SUFFIX!r}"
+        )
     return _optimizer_class(name), kwargs
 
 
@@ -243,6 +309,7 @@ def check_training_args(args) -> None:
         return
     name = _name_of(args.optim)
     parse_optim_args(args.optim_args, name)
+    check_gradient_release_args(args)
     ds_type = _deepspeed_optimizer(getattr(args, "deepspeed", None))
     if ds_type is not None:
         raise ValueError(

@@ -16,6 +16,7 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
+from .release import DEFAULT_BUCKET_SIZE, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
 
@@ -58,6 +59,16 @@ class ApexW(torch.optim.Optimizer):
         engine: ``"auto"`` (Triton kernels for CUDA parameters, plain PyTorch otherwise), ``"triton"`` (always the
             kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch engine,
             :mod:`apexw_hf.optim.torch_engine`: a param group in cache-sized chunks, the same bits as the kernels).
+        gradient_release: update each parameter inside ``backward()`` as soon as its gradient is complete, and free
+            the gradient (:mod:`apexw_hf.optim.release`): a full fine-tune then never holds the whole set of
+            gradients. The updates are bit-identical to ``step()``'s for the same gradients; ``step()`` still closes
+            each step and must follow every backward pass (no gradient accumulation, no GradScaler, no DDP; FSDP2
+            works). Per optimizer, not per param group.
+        max_grad_norm: with ``gradient_release``, clip the gradients to this global norm in backward, using the
+            larger of the previous step's global norm and the norm released so far (see
+            :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
+            ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+        release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch.
 
     Example:
         >>> import torch
@@ -84,14 +95,20 @@ class ApexW(torch.optim.Optimizer):
         seed: int = 0,
         param_rounding: str = "stochastic",
         engine: str = "auto",
+        gradient_release: bool = False,
+        max_grad_norm: float | None = None,
+        release_bucket_size: int = DEFAULT_BUCKET_SIZE,
     ):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+        self._check_release_args(gradient_release, max_grad_norm, release_bucket_size)
         self._param_index: dict[torch.Tensor, int] = {}
+        self._group_index: dict[int, dict] = {}
         self._engine = None
         self._cpu_engine = None
+        self._release: GradientRelease | None = None
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -105,8 +122,30 @@ class ApexW(torch.optim.Optimizer):
         )
         self._check_hparams(defaults)
         super().__init__(params, defaults)
+        if gradient_release:
+            self._release = GradientRelease(self, release_bucket_size, max_grad_norm)
+            self._release.sync_hooks()
+            # torch.amp.GradScaler.step then hands the step to this optimizer (with grad_scale set) instead of
+            # unscaling gradients that no longer exist; step() refuses it with a clear error.
+            self._step_supports_amp_scaling = True
 
     # ---- validation ------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_release_args(gradient_release, max_grad_norm, bucket_size) -> None:
+        if not isinstance(gradient_release, bool):
+            raise TypeError(f"gradient_release must be a bool, got {gradient_release!r}")
+        if max_grad_norm is not None:
+            norm = _as_float("max_grad_norm", max_grad_norm)
+            if not norm > 0.0 or norm == float("inf"):
+                raise ValueError(f"invalid max_grad_norm {max_grad_norm!r}: must be a finite float > 0, or None")
+            if not gradient_release:
+                raise ValueError(
+                    "max_grad_norm is for gradient_release=True, where the gradients are gone by step(); without "
+                    "release clip as usual with torch.nn.utils.clip_grad_norm_(params, max_norm) before step()"
+                )
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(f"release_bucket_size must be an int >= 1 (gradient elements), got {bucket_size!r}")
 
     @staticmethod
     def _check_hparams(group: dict) -> None:
@@ -315,34 +354,93 @@ class ApexW(torch.optim.Optimizer):
             self._cpu_engine = TorchEngine(self)
         return self._cpu_engine
 
+    @property
+    def gradient_release(self) -> bool:
+        """Whether parameters are updated inside ``backward()`` (the ``gradient_release`` argument)."""
+        return self._release is not None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """With ``gradient_release``: the global L2 norm of the gradients before clipping, this step's once its
+        backward pass has run, else the last step's (a 0-dim fp32 tensor on the parameters' device; reading it does
+        not synchronize). ``None`` without release or before the first step."""
+        return None if self._release is None else self._release.current_norm()
+
+    def remove_release_hooks(self) -> None:
+        """Remove the gradient-release hooks from the parameters; the optimizer then works as without release."""
+        if self._release is not None:
+            self._release.finish_step()
+            self._release.remove_hooks()
+            self._release = None
+            self.__dict__.pop("_step_supports_amp_scaling", None)
+
+    def _group_of(self, p: torch.Tensor) -> dict:
+        group = self._group_index.get(id(p))
+        if group is None or not any(q is p for q in group["params"]):
+            self._group_index = {id(q): g for g in self.param_groups for q in g["params"]}
+            group = self._group_index.get(id(p))
+            if group is None:
+                raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
+        return group
+
+    def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
+        if self._uses_triton(group, params):
+            self._triton_engine().step_group(group, params, grads, bucket)  # checks each new gradient allocation
+        else:
+            self._torch_engine().step_group(group, params, grads)
+
     @torch.no_grad()
     def step(self, closure=None):
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
+
+        With ``gradient_release`` the parameters were updated during ``backward()``: this closes the step (updates
+        any parameter whose gradient was set without a backward pass, records :attr:`grad_norm`).
+        """
+        if self._release is not None and getattr(self, "grad_scale", None) is not None:
+            raise RuntimeError(
+                "gradient_release=True cannot run under a GradScaler (fp16 mixed precision): the scaled gradients are "
+                "applied in backward, before the scaler can unscale them or skip a step. Train in bf16 (bf16=True / "
+                "mixed_precision='bf16'), or turn gradient_release off for fp16."
+            )
+        if self._release is not None:
+            self._release.sync_hooks()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._release is not None:
+            self._release.finish_step()
+            return loss
         for group in self.param_groups:
             params = group["params"]
             grads = list(map(_GRAD, params))  # one C-level pass: the per-tensor host cost of many small tensors
             if any(map(operator.is_, grads, repeat(None))):
                 params = [p for p, g in zip(params, grads) if g is not None]
                 grads = [g for g in grads if g is not None]
-            if self._uses_triton(group, params):
-                self._triton_engine().step_group(group, params, grads)  # checks each new gradient allocation
-            else:
-                self._torch_engine().step_group(group, params, grads)
+            if params:
+                self._step_params(group, params, grads)
         return loss
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``; with ``gradient_release`` also ``"gradient_release"``: the last global
+        gradient norm (a float), which the next step's clipping uses, so a resumed run clips as an unbroken one."""
+        out = super().state_dict()
+        if self._release is not None:
+            out["gradient_release"] = self._release.state()
+        return out
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         # torch.optim.Optimizer.__getstate__ keeps only defaults, state and param_groups: a deepcopy or an unpickled
         # copy starts without the caches, which rebuild from the param groups (the positions are the same).
         self.__dict__.setdefault("_param_index", {})
+        self.__dict__.setdefault("_group_index", {})
         self.__dict__.setdefault("_engine", None)
         self.__dict__.setdefault("_cpu_engine", None)
+        # Hooks live on the parameters, not in the pickled state: a copy steps in step(), without release.
+        self.__dict__.setdefault("_release", None)
         # torch.optim.Optimizer.__setstate__ (run by load_state_dict, deepcopy and unpickling) adds
         # differentiable=False to the defaults for optimizers pickled before that flag existed. ApexW has no
         # differentiable mode; kept, the key would reach every param group added later and every resumed state dict.
@@ -406,7 +504,12 @@ class ApexW(torch.optim.Optimizer):
             )
             if converted:
                 state[p] = converted
+        release_state = state_dict.get("gradient_release")
         self.__setstate__({"state": state, "param_groups": groups})
+        self._group_index = {}
+        if self._release is not None:
+            first = next((p for g in self.param_groups for p in g["params"]), None)
+            self._release.load(release_state, None if first is None else dt.local(first).device)
         for engine in (self._engine, self._cpu_engine):
             if engine is not None:
                 engine.invalidate()

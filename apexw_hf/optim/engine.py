@@ -102,7 +102,9 @@ class TritonEngine:
             raise RuntimeError(f"engine='triton' needs the triton package ({e}); install apexw_hf[triton]") from e
 
         self.optimizer = optimizer
-        self._cache: dict[int, _GroupCache] = {}
+        # Keyed by (id(group), bucket): ``step()`` uses bucket None (the group's params with a gradient); gradient
+        # release steps a group in buckets of the tensors whose gradients became ready together, one cache each.
+        self._cache: dict[tuple[int, object], _GroupCache] = {}
         # Group steps whose gradients were at new addresses (all checked again, the address table copied): a
         # diagnostic for host time (the recipe records it), ~0.2-0.4 ms each on 392 LoRA tensors.
         self.grad_moves = 0
@@ -133,10 +135,12 @@ class TritonEngine:
             )
         raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
 
-    def _rebuild(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> _GroupCache:
+    def _rebuild(
+        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
+    ) -> _GroupCache:
         opt = self.optimizer
         self._check_device(params[0])
-        old = self._cache.get(id(group))
+        old = self._cache.get((id(group), bucket))
         same = old is not None and old.fmt == group["state_format"] and old.seed == group["seed"]
         known = set(old.member_ids) if same else set()
         stepping = {id(p) for p in params}
@@ -154,7 +158,12 @@ class TritonEngine:
             self._check_grad(p, g)
             opt._init_state(p, group)
         cache = _GroupCache(self, group, members, member_grads)
-        self._cache[id(group)] = cache
+        # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
+        # that hold it would count on a stale buffer, so they go (gradient release may regroup tensors into buckets).
+        for key in [k for k, c in self._cache.items() if k[0] == id(group) and k[1] != bucket]:
+            if not self._cache[key].slot_of.keys().isdisjoint(cache.slot_of):
+                del self._cache[key]
+        self._cache[(id(group), bucket)] = cache
         return cache
 
     @staticmethod
@@ -192,10 +201,14 @@ class TritonEngine:
             self._check_grad(p, g)
         return dtypes
 
-    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def step_group(
+        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
+    ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
-        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already).
+        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``bucket``: a hashable
+        name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps its own
+        launch plan, so one launch covers exactly its tensors.
         """
         if not params:
             return
@@ -204,7 +217,7 @@ class TritonEngine:
             ptrs = [g.to_local().data_ptr() for g in grads]
         else:
             ptrs = list(map(torch.Tensor.data_ptr, grads))
-        cache = self._cache.get(id(group))
+        cache = self._cache.get((id(group), bucket))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
         )
@@ -212,10 +225,10 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads)
+                cache = self._rebuild(group, params, grads, bucket)
                 full = ids == cache.member_ids
         if group["state_format"] != cache.fmt or group["seed"] != cache.seed:
-            cache = self._rebuild(group, params, grads)
+            cache = self._rebuild(group, params, grads, bucket)
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
         moved = slot_ptrs != cache.grad_ptrs
@@ -230,7 +243,7 @@ class TritonEngine:
                 for i, d in zip(ids, got):
                     dtypes[cache.slot_of[i]] = d
             if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads)
+                cache = self._rebuild(group, params, grads, bucket)
                 full = ids == cache.member_ids
                 slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
             cache.grad_ptrs = slot_ptrs

@@ -234,7 +234,15 @@ def test_optim_args_values():
     assert parse_optim_args({"state_format": "fp32"}) == {"state_format": "fp32"}
     assert parse_optim_args("state_format=4BIT", "apexw_8bit") == {"state_format": "4bit"}
     assert parse_optim_args(None) == parse_optim_args("") == {}
-    assert set(OPTIM_ARGS) == {"state_format", "seed", "engine", "param_rounding", "maximize"}
+    assert set(OPTIM_ARGS) == {
+        "state_format",
+        "seed",
+        "engine",
+        "param_rounding",
+        "maximize",
+        "gradient_release",
+        "release_bucket_size",
+    }
 
 
 def test_every_optim_arg_is_accepted_by_the_optimizer(tmp_path):

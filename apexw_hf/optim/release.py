@@ -1,0 +1,280 @@
+"""Gradient release: ApexW steps each parameter inside ``backward()`` as soon as its gradient is complete.
+
+A full fine-tune keeps, besides the weights and the optimizer state, every gradient from the end of the backward pass
+to ``optimizer.step()``: 2 bytes per parameter of a bf16 model, as much as the weights. With
+``ApexW(..., gradient_release=True)`` each trainable parameter gets a ``register_post_accumulate_grad_hook``; when
+autograd has finished a parameter's gradient (the sum over every use of it, so a tied embedding and output layer get
+one update), the parameter joins a bucket. When the bucket holds ``release_bucket_size`` elements, or when the
+backward pass ends (a callback queued on autograd's engine), the bucket is stepped - one kernel launch per param group
+and dtype for all its tensors, the same update ``step()`` computes for those gradients - and the gradients are
+freed. ``optimizer.step()`` then only closes the step: it steps any parameter whose gradient was set without a
+backward pass, records the step's gradient norm and checks that nothing was left behind.
+
+Gradient norm and clipping. The global norm of the gradients is only known at the end of backward, after most
+tensors have been updated. With ``max_grad_norm`` set, the gradients of each bucket are multiplied by
+``min(1, max_grad_norm / (N + 1e-6))`` before its update, where ``N`` is the larger of
+
+* the global norm of the previous step's gradients, and
+* the norm of this step's gradients released so far, this bucket included (a lower bound of this step's norm),
+
+so a gradient spike is clipped in the bucket where it appears and in every later one, and steady training is clipped
+like exact clipping with a one-step lag. The true pre-clip global norm of the step is recorded
+(:attr:`ApexW.grad_norm`), returned by Accelerate's ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and
+saved in the state dict (a resumed run clips exactly as an unbroken one).
+
+What needs every gradient at once, and what happens to it here:
+
+* gradient accumulation over several backward passes: refused. A parameter whose gradient completes a second time
+  before ``step()`` raises an error before anything of that backward pass is updated.
+* fp16 with a GradScaler: refused (the scaled gradients would be applied before the scaler could unscale them or
+  skip the step); train in bf16.
+* skipping a step on inf/NaN: not possible, the tensors released before a non-finite gradient are already updated.
+  Without clipping a non-finite gradient makes its own tensor's update non-finite and no other (as ``step()`` does).
+  With clipping, the norm becomes non-finite from that bucket on: its tensor is updated with a non-finite gradient
+  and the later buckets with a zero gradient (their moments decay, weight decay applies) instead of a non-finite one.
+  ``grad_norm`` reports the inf/NaN.
+* DDP: refused (the hooks would see this rank's gradient before the all-reduce). FSDP2 is supported: it calls the
+  hooks of the sharded parameters after the reduce-scatter, and the norm is reduced over the mesh.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from . import dtensor as dt
+
+DEFAULT_BUCKET_SIZE = 2**25  # elements: 64 MiB of bf16 gradients wait at most for their launch
+
+_ACCUMULATION_ERROR = (
+    "gradient_release=True: the gradient of a parameter (shape {shape}) was completed a second time before "
+    "optimizer.step(). Gradient release updates each parameter as soon as its gradient is complete, so it cannot "
+    "accumulate gradients over several backward passes: call optimizer.step() after every backward pass and set "
+    "gradient_accumulation_steps=1 (use a larger per-device batch instead), or turn gradient_release off. A parameter "
+    "used in two reentrant checkpointed segments also completes twice: use gradient checkpointing with "
+    "use_reentrant=False."
+)
+
+
+def _queue_end_of_backward(fn: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+class GradientRelease:
+    """The hooks, buckets and norm bookkeeping of one optimizer with ``gradient_release=True``.
+
+    The optimizer is held through a weak reference, so a hook left on a parameter keeps no optimizer alive.
+    """
+
+    def __init__(self, optimizer, bucket_size: int, max_grad_norm: float | None):
+        self._opt_ref = weakref.ref(optimizer)
+        self.bucket_size = bucket_size
+        self.max_grad_norm = max_grad_norm
+        self._handles: dict[int, tuple[weakref.ref, object]] = {}
+        self._hooked_ids: list[int] | None = None
+        self._pending: list[torch.Tensor] = []
+        self._pending_numel = 0
+        self._queued = False
+        self._stepped: set[int] = set()
+        self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
+        self.prev_norm: torch.Tensor | None = None  # the last finished step's global norm (for clipping)
+        self.grad_norm: torch.Tensor | None = None  # the same, as reported
+        self.flushes = 0  # bucket launches since construction (a diagnostic)
+
+    # ---- hooks -------------------------------------------------------------------------------------------------
+
+    def sync_hooks(self) -> None:
+        """Hook every trainable parameter of the param groups, and unhook those no longer there.
+
+        Called at construction, by ``step()`` and before each backward pass under Accelerate: wrappers may replace the
+        parameter objects in ``param_groups`` (Accelerate's FSDP2 preparation swaps in the sharded parameters).
+        """
+        opt = self._opt_ref()
+        params = [p for group in opt.param_groups for p in group["params"]]
+        ids = [id(p) for p in params]
+        if ids == self._hooked_ids:
+            return
+        keep = set(ids)
+        for pid in [pid for pid in self._handles if pid not in keep]:
+            self._handles.pop(pid)[1].remove()
+        for p in params:
+            entry = self._handles.get(id(p))
+            if entry is not None and entry[0]() is p:
+                continue
+            if entry is not None:
+                entry[1].remove()
+            if p.requires_grad:
+                self._handles[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(self._make_hook()))
+        self._hooked_ids = ids
+
+    def remove_hooks(self) -> None:
+        for _, handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self._hooked_ids = None
+
+    def _make_hook(self):
+        ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:
+            release = ref()
+            if release is not None and release._opt_ref() is not None:
+                release.on_grad_ready(p)
+
+        return hook
+
+    def on_grad_ready(self, p: torch.Tensor) -> None:
+        if id(p) in self._stepped:
+            raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
+        if not self._stepped and not self._pending:
+            self._check_setup(p)
+        self._pending.append(p)
+        self._pending_numel += dt.local(p).numel()
+        if not self._queued:
+            self._queued = True
+            _queue_end_of_backward(self._on_backward_end)
+        if self._pending_numel >= self.bucket_size:
+            self.flush()
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self.flush()
+
+    @staticmethod
+    def _check_setup(p: torch.Tensor) -> None:
+        """At the first gradient of a step: refuse DDP (a plain parameter in a process group of several ranks)."""
+        if dt.is_dtensor(p) or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return
+        if torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                "gradient_release=True under data parallelism with plain (replicated) parameters, i.e. DDP: the "
+                "optimizer would update each rank's parameters with that rank's gradient before the all-reduce. Use "
+                "FSDP2 (fully_shard; Accelerate's fsdp_version: 2), whose sharded parameters are released after the "
+                "reduce-scatter, or turn gradient_release off under DDP."
+            )
+
+    # ---- buckets -------------------------------------------------------------------------------------------------
+
+    def flush(self, extra: list[torch.Tensor] | None = None) -> None:
+        """Step the pending parameters (and ``extra``), then free their gradients."""
+        params = self._pending + (extra or [])
+        self._pending, self._pending_numel = [], 0
+        if not params:
+            return
+        opt = self._opt_ref()
+        grads = [p.grad for p in params]
+        coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
+        if coef is not None:
+            torch._foreach_mul_([dt.local(g) for g in grads], coef)
+        key = tuple(map(id, params))
+        group_of = opt._group_of
+        by_group: dict[int, tuple[dict, list, list]] = {}
+        for p, g in zip(params, grads):
+            group = group_of(p)
+            entry = by_group.get(id(group))
+            if entry is None:
+                entry = by_group[id(group)] = (group, [], [])
+            entry[1].append(p)
+            entry[2].append(g)
+        for group, ps, gs in by_group.values():
+            opt._step_params(group, ps, gs, bucket=key)
+        for p in params:
+            p.grad = None
+        self._stepped.update(key)
+        self.flushes += 1
+
+    def _account(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        """Add this bucket's squared norm to the step's; the clip coefficient for it (None without clipping)."""
+        sq = _dtensor_sum_of_squares(grads) if dt.is_dtensor(grads[0]) else _sum_of_squares(grads)
+        if self._sumsq is None:
+            self._sumsq = sq
+        else:
+            self._sumsq = self._sumsq + sq.to(self._sumsq.device, non_blocking=True)
+        if self.max_grad_norm is None:
+            return None
+        norm = self._sumsq.sqrt()
+        if self.prev_norm is not None:
+            norm = torch.maximum(norm, self.prev_norm.to(norm.device, non_blocking=True))
+        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        # A non-finite norm (inf/NaN gradient in this bucket or an earlier one): later buckets get a zero gradient.
+        coef = torch.nan_to_num(coef, nan=0.0)
+        return coef.to(dt.local(grads[0]).device)
+
+    # ---- the step boundary ---------------------------------------------------------------------------------------
+
+    def current_norm(self) -> torch.Tensor | None:
+        """This step's global gradient norm once its backward has run (before ``step()``), else the last step's."""
+        if self._sumsq is not None:
+            return self._sumsq.sqrt()
+        return self.grad_norm
+
+    def finish_step(self) -> None:
+        """End of ``optimizer.step()``: step what was not released, record the norm, start a new step."""
+        opt = self._opt_ref()
+        extra = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if id(p) in self._stepped:
+                    raise RuntimeError(
+                        f"gradient_release=True: a parameter (shape {tuple(p.shape)}) has a gradient again after it "
+                        "was updated in this step's backward pass; stepping it again would update it twice. Do not "
+                        "set .grad between backward() and step() with gradient release."
+                    )
+                if not any(q is p for q in self._pending):
+                    extra.append(p)  # a gradient set without backward, or a parameter without a hook
+        self.flush(extra)
+        if self._sumsq is not None:
+            self.grad_norm = self._sumsq.sqrt()
+            self.prev_norm = self.grad_norm
+        self._sumsq = None
+        self._stepped = set()
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        norm = None if self.prev_norm is None else float(self.prev_norm)
+        return {"prev_grad_norm": norm}
+
+    def load(self, saved: dict | None, device: torch.device | None) -> None:
+        norm = (saved or {}).get("prev_grad_norm")
+        if norm is not None and not isinstance(norm, (int, float)):
+            raise ValueError(f"gradient_release state: prev_grad_norm must be a float or None, got {norm!r}")
+        if norm is None:
+            self.prev_norm = self.grad_norm = None
+        else:
+            t = torch.tensor(float(norm), dtype=torch.float32, device=device)
+            self.prev_norm = self.grad_norm = t
+
+
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Sum of the squared elements of ``grads`` in fp32 (one norm per tensor, as ``clip_grad_norm_`` takes them)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    total = None
+    for device_grads in by_device.values():
+        norms = torch._foreach_norm(device_grads, 2, dtype=torch.float32)
+        sq = torch.stack(norms).square().sum()
+        total = sq if total is None else total + sq.to(total.device)
+    return total
+
+
+def _dtensor_sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``_sum_of_squares`` of DTensor gradients: local shards, then summed over the mesh dimensions they are sharded
+    on (replicated dimensions, as in HSDP, hold copies and are not summed)."""
+    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        by_layout.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(g)
+    total = None
+    for layout_grads in by_layout.values():
+        sq = _sum_of_squares([g.to_local() for g in layout_grads])
+        mesh, placements = layout_grads[0].device_mesh, layout_grads[0].placements
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                torch.distributed.all_reduce(sq, group=mesh.get_group(dim))
+        total = sq if total is None else total + sq.to(total.device)
+    return total
