@@ -12,20 +12,39 @@ reshard freely.
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 
 import torch
 
 from .. import reference as ref
 
-try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # torch built without distributed support
-    DTensor = None
+# ``torch.distributed.tensor`` costs ~1.6 s to import, a third of ``import apexw_hf``; it is imported on first use
+# instead. No tensor can be a ``DTensor`` before that module is imported, so ``is_dtensor`` only looks it up in
+# ``sys.modules``. ``DTensor``, ``Shard`` and ``Replicate`` stay module attributes (``DTensor`` is None on a torch
+# built without distributed support), resolved by ``__getattr__`` below.
+_DT_MODULE = "torch.distributed.tensor"
+_DT_NAMES = ("DTensor", "Replicate", "Shard")
+
+
+def _dt_attr(name: str):
+    try:
+        module = importlib.import_module(_DT_MODULE)
+    except ImportError:  # torch built without distributed support
+        return None
+    return getattr(module, name)
+
+
+def __getattr__(name: str):
+    if name in _DT_NAMES:
+        return _dt_attr(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    module = sys.modules.get(_DT_MODULE)
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -59,11 +78,13 @@ def max_local_blocks(p, block: int = ref.BLOCK) -> int:
 
 
 def _scale_placements(p):
-    return [Shard(0) if pl.is_shard() else Replicate() for pl in p.placements]
+    shard, replicate = _dt_attr("Shard"), _dt_attr("Replicate")
+    return [shard(0) if pl.is_shard() else replicate() for pl in p.placements]
 
 
 def wrap_state(local_state: dict, p) -> dict:
     """Turn a freshly initialised local state (for ``p.to_local()``) into ``DTensor`` state for ``p``."""
+    DTensor = _dt_attr("DTensor")
     out = {"step": local_state["step"]}
     block = scale_block(local_state)
     for key, value in local_state.items():
