@@ -324,6 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, help="launch no new run after this long (0: no limit)")
     ap.add_argument("--report-only", action="store_true", help="only rebuild CSV/table/plot from existing runs")
     args = ap.parse_args(argv)
+    for option, text, kind in (("--lrs", args.lrs, float), ("--seeds", args.seeds, int)):
+        for item in (text or "").split(",") if text else []:
+            try:
+                kind(item)
+            except ValueError:
+                ap.error(
+                    f"{option} {text}: {item.strip()!r} is not {'a number' if kind is float else 'an integer'} "
+                    f"(give a comma-separated list, e.g. {option} {'1e-3,3e-3' if kind is float else '0,1,2'})"
+                )
     _check_dependencies()
     # `timeout` or a scheduler sends SIGTERM: unwind through the finally below, which stops the running children
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -337,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
         ov.append(f"compare.jobs={args.jobs}")
     if args.max_minutes is not None:
         ov.append(f"compare.max_minutes={args.max_minutes}")
-    cfg = load_config(args.config, ov)
+    try:
+        cfg = load_config(args.config, ov)
+    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed config, or a bad --set value
+        print(f"apexw-compare: error: {exc}", file=sys.stderr)
+        return 2
     interrupted = None
     out = Path(cfg.compare.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)

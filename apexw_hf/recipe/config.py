@@ -373,7 +373,12 @@ def _coerce(cls: type, key: str, value: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise TypeError(f"{where}.{key}={value!r}: expected a list")
         if key == "learning_rates":
+            bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int | float)]
+            if bad:
+                raise TypeError(f"{where}.{key}={value!r}: {bad[0]!r} is not a number (give learning rates, e.g. 1e-3)")
             return [float(v) for v in value]
+        if key == "seeds" and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise TypeError(f"{where}.{key}={value!r}: seeds must be integers")
         return value
     if isinstance(value, str) and isinstance(ref, int | float):  # YAML reads "2e-4" as a string
         try:
@@ -432,7 +437,22 @@ def load_config(name_or_path: str | Path = DEFAULT_CONFIG, overrides: list[str] 
     path = resolve_config_path(name_or_path)
     with open(path, encoding="utf-8") as fh:
         # JSON (the runner's resolved config) is read as JSON: YAML 1.1 reads "1e-05" as a string
-        raw = (json.load(fh) if path.suffix == ".json" else _fix_floats(yaml.safe_load(fh))) or {}
+        try:
+            raw = (json.load(fh) if path.suffix == ".json" else _fix_floats(yaml.safe_load(fh))) or {}
+        except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ValueError(
+                f"config {str(path)!r} is not a valid {'JSON' if path.suffix == '.json' else 'YAML'} file{at}: "
+                f"{what}. A recipe config is a YAML mapping of sections (model, lora, data, train, compare); "
+                "see apexw_hf/configs/offline_default.yaml"
+            ) from None
+    if not isinstance(raw, dict):
+        raise TypeError(
+            f"config {str(path)!r} must be a YAML mapping of sections (model, lora, data, train, compare), "
+            f"got a {type(raw).__name__}; see apexw_hf/configs/offline_default.yaml"
+        )
     if overrides:
         apply_overrides(raw, overrides)
     return config_from_dict(raw)
