@@ -127,6 +127,7 @@ class GradientRelease:
 
     def on_grad_ready(self, p: torch.Tensor) -> None:
         if id(p) in self._stepped:
+            p.grad = None  # the second gradient is not applied; the parameter keeps its one update of this step
             raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
         if not self._stepped and not self._pending:
             self._check_setup(p)

@@ -1,0 +1,239 @@
+"""Gradient release: ApexW steps parameters inside backward; the same bits as step(), and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as ckpt
+
+from apexw_hf import ApexW
+
+from .helpers import FORMATS
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding tied to the output layer, two blocks (optionally checkpointed), a frozen tensor, a bias."""
+
+    def __init__(self, vocab=40, dim=16, checkpoint=None, dtype=torch.float32):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim, dtype=dtype)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(
+                torch.nn.Linear(dim, 3 * dim, dtype=dtype), torch.nn.GELU(), torch.nn.Linear(3 * dim, dim, dtype=dtype)
+            )
+            for _ in range(2)
+        )
+        self.norm = torch.nn.LayerNorm(dim, dtype=dtype)
+        self.frozen = torch.nn.Parameter(torch.randn(dim, dtype=dtype), requires_grad=False)
+        self.head = torch.nn.Linear(dim, vocab, bias=False, dtype=dtype)
+        self.head.weight = self.emb.weight
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        h = self.emb(x) + self.frozen
+        for block in self.blocks:
+            if self.checkpoint is None:
+                h = h + block(h)
+            else:
+                h = h + ckpt.checkpoint(block, h, use_reentrant=self.checkpoint == "reentrant")
+        return self.head(self.norm(h))
+
+
+def make(seed=0, **kw):
+    torch.manual_seed(seed)
+    return TinyLM(**kw)
+
+
+def groups(model, lr=2e-2):
+    decay = [p for n, p in model.named_parameters() if p.ndim == 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim != 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": lr / 2}]
+
+
+def loss_of(model, step):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randint(0, 40, (3, 9), generator=g)
+    logits = model(x).float()
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(1, 1).flatten())
+
+
+def train(model, opt, steps, sched=None):
+    for t in range(steps):
+        loss_of(model, t).backward()
+        if opt.gradient_release:
+            assert all(p.grad is None for p in model.parameters()), "a gradient outlived its backward pass"
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("checkpoint", [None, "reentrant", "non_reentrant"])
+def test_release_is_bit_identical_to_step(fmt, checkpoint):
+    """Several groups, tied weights, a frozen tensor, checkpointing, an lr schedule, buckets of several tensors."""
+    dtype = torch.bfloat16 if fmt in ("8bit", "4bit") else torch.float32
+    a, b = make(checkpoint=checkpoint, dtype=dtype), make(checkpoint=checkpoint, dtype=dtype)
+    oa = ApexW(groups(a), lr=2e-2, state_format=fmt, engine="torch")
+    ob = ApexW(groups(b), lr=2e-2, state_format=fmt, engine="torch", gradient_release=True, release_bucket_size=700)
+    sa = torch.optim.lr_scheduler.LambdaLR(oa, lambda t: 1.0 / (1 + t))
+    sb = torch.optim.lr_scheduler.LambdaLR(ob, lambda t: 1.0 / (1 + t))
+    train(a, oa, 4, sa)
+    train(b, ob, 4, sb)
+    assert ob._release.flushes > 4  # more than one bucket per step: the buckets really split the model
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+    assert not b.frozen.requires_grad and torch.equal(a.frozen, b.frozen)
+    sd_a, sd_b = oa.state_dict(), ob.state_dict()
+    for i, entry in sd_a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, sd_b["state"][i][key]), (i, key)
+    assert sd_b["gradient_release"]["prev_grad_norm"] > 0
+
+
+def test_clipping_follows_its_rule_and_logs_the_true_norm():
+    """max_grad_norm: each bucket scaled by min(1, c / (max(previous norm, norm so far) + 1e-6)); grad_norm exact."""
+    model = make()
+    opt = ApexW(model.parameters(), lr=1e-2, state_format="fp32", gradient_release=True, max_grad_norm=0.05)
+    ref = make()
+    ref_opt = ApexW(ref.parameters(), lr=1e-2, state_format="fp32")
+    prev = None
+    for t in range(3):
+        loss_of(ref, t).backward()
+        grads = [p.grad for p in ref.parameters() if p.grad is not None]
+        true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        # one bucket (the default bucket size holds the whole model): the norm so far is the step's norm
+        coef = torch.clamp(0.05 / (torch.maximum(true_norm, prev if prev is not None else true_norm) + 1e-6), max=1)
+        torch._foreach_mul_(grads, coef)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_of(model, t).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.testing.assert_close(opt.grad_norm, true_norm, rtol=1e-6, atol=0)
+        prev = true_norm
+        for p, q in zip(ref.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    a = make()
+    oa = ApexW(groups(a), state_format="8bit", gradient_release=True, max_grad_norm=0.5, release_bucket_size=500)
+    train(a, oa, 3)
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, tmp_path / "ckpt.pt")
+    train(a, oa, 2)
+
+    b = make(seed=5)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    b.load_state_dict(saved["model"])
+    ob = ApexW(groups(b), state_format="8bit", gradient_release=True, max_grad_norm=0.5, release_bucket_size=500)
+    ob.load_state_dict(saved["opt"])
+    train(b, ob, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_export_to_torch_adamw_after_release():
+    model = make()
+    opt = ApexW(model.parameters(), state_format="compact", gradient_release=True)
+    train(model, opt, 2)
+    torch_opt = torch.optim.AdamW(model.parameters())
+    torch_opt.load_state_dict(opt.to_torch_adamw_state_dict())
+    assert all(torch_opt.state[p]["step"] == 2 for p in model.parameters() if p.requires_grad)
+
+
+def test_gradient_accumulation_is_refused_before_any_update():
+    model = make()
+    opt = ApexW(model.parameters(), gradient_release=True)
+    loss_of(model, 0).backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="accumulate gradients over several backward passes"):
+        loss_of(model, 1).backward()
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the second backward changed nothing
+    opt.zero_grad()
+    opt.step()  # the step boundary: the next backward is a new step
+    loss_of(model, 2).backward()
+
+
+def test_grad_scaler_is_refused():
+    model = make()
+    opt = ApexW(model.parameters(), gradient_release=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0)
+    scaler.scale(loss_of(model, 0)).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+
+
+def test_gradient_set_without_backward_is_stepped_once_and_double_update_refused():
+    p = torch.nn.Parameter(torch.ones(5))
+    q = torch.nn.Parameter(torch.ones(5))
+    opt = ApexW([p, q], lr=0.1, gradient_release=True, state_format="fp32")
+    ref_p = torch.nn.Parameter(torch.ones(5))
+    ref = ApexW([ref_p], lr=0.1, state_format="fp32")
+    p.grad = torch.full((5,), 0.5)  # no backward: step() updates it, as an ordinary optimizer would
+    ref_p.grad = torch.full((5,), 0.5)
+    opt.step()
+    ref.step()
+    assert torch.equal(p, ref_p) and p.grad is None
+    (q * 2).sum().backward()  # released in backward
+    q.grad = torch.ones(5)  # ... and then set again before step(): a second update would be wrong
+    with pytest.raises(RuntimeError, match="update it twice"):
+        opt.step()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(gradient_release=1), "gradient_release must be a bool"),
+        (dict(max_grad_norm=1.0), "max_grad_norm is for gradient_release=True"),
+        (dict(gradient_release=True, max_grad_norm=0.0), "invalid max_grad_norm"),
+        (dict(gradient_release=True, max_grad_norm=float("inf")), "invalid max_grad_norm"),
+        (dict(gradient_release=True, release_bucket_size=0), "release_bucket_size must be an int >= 1"),
+    ],
+)
+def test_bad_release_arguments(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ApexW([torch.nn.Parameter(torch.ones(2))], **kwargs)
+
+
+def test_nonfinite_gradient_with_clipping_stays_in_its_tensor_and_later_buckets():
+    """A NaN gradient: its tensor's update is NaN; with clipping, later buckets get a zero gradient (no NaN)."""
+    a = torch.nn.Parameter(torch.ones(4))
+    b = torch.nn.Parameter(torch.ones(4))
+    c = torch.nn.Parameter(torch.ones(4))
+    opt = ApexW([a, b, c], lr=0.1, state_format="fp32", gradient_release=True, max_grad_norm=1.0, release_bucket_size=1)
+    # backward reaches c first, then b (NaN), then a
+    (a.sum() * float("nan") * 0 + (b * torch.tensor([1.0, float("nan"), 1.0, 1.0])).sum() + c.sum()).backward()
+    opt.step()
+    assert torch.isfinite(c).all() and not torch.equal(c.detach(), torch.ones(4))
+    assert torch.isnan(b).any()
+    assert torch.isnan(opt.grad_norm)
+
+
+def test_remove_release_hooks_returns_to_ordinary_steps():
+    model = make()
+    opt = ApexW(model.parameters(), gradient_release=True)
+    opt.remove_release_hooks()
+    loss_of(model, 0).backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    opt.step()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_release_on_cuda_kernels_is_bit_identical(fmt):
+    a, b = make(dtype=torch.bfloat16).cuda(), make(dtype=torch.bfloat16).cuda()
+    oa = ApexW(groups(a), lr=2e-2, state_format=fmt, engine="triton")
+    ob = ApexW(groups(b), lr=2e-2, state_format=fmt, engine="triton", gradient_release=True, release_bucket_size=700)
+    for t in range(4):
+        for model, opt in ((a, oa), (b, ob)):
+            g = torch.Generator().manual_seed(100 + t)
+            x = torch.randint(0, 40, (3, 9), generator=g).cuda()
+            torch.nn.functional.cross_entropy(model(x).float().flatten(0, 1), x.roll(1, 1).flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
