@@ -157,7 +157,7 @@ def _git_commit() -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="1b")
-    ap.add_argument("--cells", required=True, help="comma-separated <optimizer>[+liger]@<bf16|fp32>")
+    ap.add_argument("--cells", default="", help="comma-separated <optimizer>[+liger]@<bf16|fp32>")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)

@@ -54,7 +54,7 @@ def groups(model, lr=2e-2):
 
 def loss_of(model, step):
     g = torch.Generator().manual_seed(100 + step)
-    x = torch.randint(0, 40, (3, 9), generator=g)
+    x = torch.randint(0, 40, (3, 9), generator=g).to(model.emb.weight.device)
     logits = model(x).float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(1, 1).flatten())
 
