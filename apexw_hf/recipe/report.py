@@ -265,6 +265,60 @@ def _best_lr_section(results: list[dict[str, Any]], cfg: RecipeConfig, opts: lis
     return lines
 
 
+def _bracket(b: dict[str, Any]) -> str:
+    """Whether the best learning rate has a tried rate on both sides (else the optimum may lie outside the grid)."""
+    tried = sorted(b["by_lr"])
+    if len(tried) == 1:
+        return "one lr tried"
+    if b["lr"] == tried[-1]:
+        return "no: highest tried"
+    if b["lr"] == tried[0]:
+        return "no: lowest tried"
+    return "yes"
+
+
+def _headline(results: list[dict[str, Any]], cfg: RecipeConfig, opts: list[str]) -> list[str]:
+    """The table that leads the summary: per optimizer its state, step time and validation loss, at its best lr."""
+    best = best_learning_rates(results)
+    if not best:
+        return []
+    ok = [r for r in results if r.get("status") == "ok"]
+    base = cfg.compare.baseline
+    base_runs = []
+    if base in best:
+        base_runs = [r for r in ok if r["optimizer"] == base and r["learning_rate"] == best[base]["lr"]]
+    lines = [
+        "## Each optimizer at its best learning rate, at a glance",
+        "",
+        "State = bytes of `optimizer.state`; optimizer step ms and steps/s at the best lr; best lr bracketed = a "
+        "learning rate on each side of it was tried and was worse (the rule and every rate tried: the next sections).",
+        "",
+        "| optimizer | optimizer state (MiB) | bytes/param | optimizer step ms | steps/s | best lr | bracketed | "
+        f"val loss at best lr | Δ vs `{base}` at its best (paired p) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for o in opts:
+        if o not in best:
+            continue
+        b = best[o]
+        runs = [r for r in ok if r["optimizer"] == o and r["learning_rate"] == b["lr"]]
+        states = sorted({round(r["optimizer_state_mib"], 3) for r in runs})
+        state = f"{states[0]:.3f}" if len(states) == 1 else _fmt([r["optimizer_state_mib"] for r in runs], 3)
+        bpp = sorted({round(r["train_bytes_per_param"], 2) for r in runs if r.get("train_bytes_per_param")})
+        ms = [r["optimizer_step_ms"] for r in runs if r.get("optimizer_step_ms")]
+        vals = [r["validation_loss"] for r in runs if r.get("validation_loss") is not None]
+        test = "-"
+        if o != base and base_runs:
+            test = paired_cell(_by_seed(runs, "validation_loss"), _by_seed(base_runs, "validation_loss"))
+        lines.append(
+            f"| {optimizer_label(o)} (`{o}`) | {state} | {', '.join(f'{x:.2f}' for x in bpp) or '-'} | "
+            f"{_fmt(ms, 3) if ms else '-'} | {_fmt([r['steps_per_s'] for r in runs], 2)} | {_lr(b['lr'])} | "
+            f"{_bracket(b)} | {_fmt(vals, 4) if vals else '-'} | {test} |"
+        )
+    lines.append("")
+    return lines
+
+
 def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, Any] | None = None) -> str:
     """The markdown summary: header, table shaped like the published one, significance statements."""
     ok = [r for r in results if r.get("status") == "ok"]
@@ -339,6 +393,8 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
             "training keeps per parameter before activations (gradients have the parameter's dtype).",
         )
+    lines += _headline(results, cfg, opts)
+    lines += ["## Every run, per learning rate", ""]
     # runs stored before the reserved figure was recorded have no such key: the column appears when some run has it
     reserved = gpu and any(r.get("peak_gpu_mem_reserved_gib") is not None for r in ok)
     head = ["optimizer", mem_h] + (["peak GPU mem reserved (GiB)"] if reserved else []) + ["optimizer state (MiB)"]

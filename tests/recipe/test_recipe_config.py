@@ -43,7 +43,9 @@ def test_embedded_default_loads_by_name_and_is_offline():
     assert cfg.name == "offline_default"
     assert cfg.model.build is not None and not cfg.model.load_in_4bit and cfg.data.source == "shipped"
     assert cfg.lora.target_modules == PROJ
-    assert set(cfg.compare.optimizers) == {"adamw_torch", "adamw_8bit", "apexw_compact", "apexw_8bit"}
+    assert set(cfg.compare.optimizers) == {"adamw_torch", "adamw_8bit", "apexw_8bit", "apexw_4bit"}
+    # at least three learning rates, so that the best one can have a worse one on each side
+    assert len(cfg.compare.learning_rates) >= 3 and len(cfg.compare.seeds) >= 2
     assert load_config("llama32_3b_t4").name == "llama32_3b_t4"  # repo configs/ resolve by name too
 
 

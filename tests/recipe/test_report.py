@@ -90,7 +90,15 @@ def test_summary_table_shape_significance_and_skips():
                 }
             )
     md = summarize(res, cfg)
-    header = next(line for line in md.splitlines() if line.startswith("| optimizer"))
+    # the summary leads with each optimizer at its best lr: state, step time, validation loss, bracketing
+    glance = md[md.index("## Each optimizer at its best learning rate, at a glance") : md.index("## Every run")]
+    head = next(line for line in glance.splitlines() if line.startswith("| optimizer"))
+    assert head.split(" | ")[1:4] == ["optimizer state (MiB)", "bytes/param", "optimizer step ms"]
+    row8 = next(line for line in glance.splitlines() if "(`apexw_8bit`)" in line)
+    assert "| 47.101 |" in row8 and "| 5e-05 | no: lowest tried |" in row8  # two lrs, best at the lower one
+    assert "`adamw_8bit`" not in glance  # skipped everywhere: no best lr
+    table = md[md.index("## Every run") :]
+    header = next(line for line in table.splitlines() if line.startswith("| optimizer"))
     for col in (
         "peak GPU mem",
         "optimizer state (MiB)",
@@ -142,3 +150,16 @@ def test_4bit_rows_are_labelled():
     row = next(line for line in md.splitlines() if line.startswith("| ApexW 4bit (`apexw_4bit`)"))
     assert "0.129" in row
     assert "- `apexw_4bit` vs `adamw_torch`, lr 0.005" in md
+
+
+def test_headline_says_whether_the_best_lr_is_bracketed():
+    """The leading table marks a best learning rate at the edge of the grid (the optimum may lie outside it)."""
+    cfg = load_config("offline_default", ["compare.learning_rates=[0.005, 0.01, 0.02]", "compare.seeds=[0, 1]"])
+    val = {"adamw_torch": {0.005: 2.5, 0.01: 2.4, 0.02: 2.6}, "apexw_4bit": {0.005: 2.6, 0.01: 2.5, 0.02: 2.4}}
+    res = [
+        _run(o, lr, s, v + 0.01 * s, v + 0.01 * s, 1.0) for o, by in val.items() for lr, v in by.items() for s in (0, 1)
+    ]
+    glance = summarize(res, cfg).split("## Every run")[0]
+    rows = {o: next(x for x in glance.splitlines() if f"(`{o}`)" in x) for o in val}
+    assert "| 0.01 | yes |" in rows["adamw_torch"]
+    assert "| 0.02 | no: highest tried |" in rows["apexw_4bit"]
