@@ -18,3 +18,17 @@ def test_readme_names_the_two_commands():
     for marker in ("<!-- main-command -->", "<!-- test-command -->"):
         block = text.split(marker, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
         assert block.startswith('pip install "torch==2.13.0"')
+
+
+def test_readme_tables_are_generated_and_current():
+    """The speed table (and the figure beside it) come from stored results, and the lead's table block is kept."""
+    import subprocess
+    import sys
+
+    script = README.parent / "scripts" / "make_readme_figure.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = README.read_text()
+    for marker in ("ff-readme", "readme-speed", "fits-table"):
+        assert f"<!-- {marker} -->" in text and f"<!-- /{marker} -->" in text
+    assert "![" in text and "docs/readme_gains.png" in text and (README.parent / "docs" / "readme_gains.png").is_file()
