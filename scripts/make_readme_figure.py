@@ -95,8 +95,8 @@ def training_speed() -> str:
     }
     parts = [f"{names.get(o, o)} {sum(v) / len(v):.2f}" for o, v in by.items()]
     return (
-        f"\nWhole training steps/s, same H200 set-up ({'/'.join(map(str, steps))} steps, {len(runs) // max(1, len(by))} "
-        f"seeds): {', '.join(parts)}.\n"
+        f"\nWhole training steps/s, same H200 set-up ({'/'.join(map(str, steps))} steps, "
+        f"{len(runs) // max(1, len(by))} seeds): {', '.join(parts)}.\n"
     )
 
 
@@ -131,7 +131,9 @@ def figure(path: Path) -> None:
         a.text(v + 0.2, y, f"{v:.1f}", va="center", fontsize=9)
     a.invert_yaxis()
     a.set_xlabel("peak GPU memory (GiB)")
-    a.set_title("Full fine-tune, Llama-3.2-1B shapes, one H200\n(seq 1024 x batch 4, gradient checkpointing)", fontsize=10)
+    a.set_title(
+        "Full fine-tune, Llama-3.2-1B shapes, one H200\n(seq 1024 x batch 4, gradient checkpointing)", fontsize=10
+    )
     a.set_xlim(0, max(gib) * 1.15)
 
     names = [label for _, label in STEP_ROWS]

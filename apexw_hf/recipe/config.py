@@ -375,7 +375,7 @@ def _coerce(cls: type, key: str, value: Any, where: str) -> Any:
         if key == "learning_rates":
             bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int | float)]
             if bad:
-                raise TypeError(f"{where}.{key}={value!r}: {bad[0]!r} is not a number (give learning rates, e.g. 1e-3)")
+                raise TypeError(f"{where}.{key}={value!r}: {bad[0]!r} is not a number (learning rates, e.g. 1e-3)")
             return [float(v) for v in value]
         if key == "seeds" and not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
             raise TypeError(f"{where}.{key}={value!r}: seeds must be integers")

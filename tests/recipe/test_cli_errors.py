@@ -19,7 +19,8 @@ def _fails(capsys, argv, *needles):
 
 
 def test_missing_config(capsys, tmp_path):
-    _fails(capsys, [str(tmp_path / "nope.yaml")], "nope.yaml", "neither a file nor a shipped config", "offline_default")
+    missing = str(tmp_path / "nope.yaml")
+    _fails(capsys, [missing], "nope.yaml", "neither a file nor a shipped config", "offline_default")
 
 
 @pytest.mark.parametrize(

@@ -156,9 +156,8 @@ def test_headline_says_whether_the_best_lr_is_bracketed():
     """The leading table marks a best learning rate at the edge of the grid (the optimum may lie outside it)."""
     cfg = load_config("offline_default", ["compare.learning_rates=[0.005, 0.01, 0.02]", "compare.seeds=[0, 1]"])
     val = {"adamw_torch": {0.005: 2.5, 0.01: 2.4, 0.02: 2.6}, "apexw_4bit": {0.005: 2.6, 0.01: 2.5, 0.02: 2.4}}
-    res = [
-        _run(o, lr, s, v + 0.01 * s, v + 0.01 * s, 1.0) for o, by in val.items() for lr, v in by.items() for s in (0, 1)
-    ]
+    cells = [(o, lr, v) for o, by in val.items() for lr, v in by.items()]
+    res = [_run(o, lr, s, v + 0.01 * s, v + 0.01 * s, 1.0) for o, lr, v in cells for s in (0, 1)]
     glance = summarize(res, cfg).split("## Every run")[0]
     rows = {o: next(x for x in glance.splitlines() if f"(`{o}`)" in x) for o in val}
     assert "| 0.01 | yes |" in rows["adamw_torch"]
