@@ -103,7 +103,8 @@ def test_clipping_follows_its_rule_and_logs_the_true_norm():
     for t in range(3):
         loss_of(ref, t).backward()
         grads = [p.grad for p in ref.parameters() if p.grad is not None]
-        true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        # the norm as the optimizer takes it: fp32 norm per tensor, their squares summed (one rounding order)
+        true_norm = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum().sqrt()
         # one bucket (the default bucket size holds the whole model): the norm so far is the step's norm
         coef = torch.clamp(0.05 / (torch.maximum(true_norm, prev if prev is not None else true_norm) + 1e-6), max=1)
         torch._foreach_mul_(grads, coef)
