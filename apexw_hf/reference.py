@@ -33,13 +33,18 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   turn the next update into ``m / eps``). Decoding builds the fp32 bits of the code value and multiplies by the
   scale. Format version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``, chosen by a table search) is read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
-* ``4bit``: blocks of :data:`BLOCK4` elements, one bf16 scale per block and moment (as ``8bit``), and one byte per
-  element holding both moments' 4-bit codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), about 1.03 bytes per
-  parameter. ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is ``2**(c - 7)``, so
-  2**-6 .. 1, and code 0 is zero), ``v`` is e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for
-  zero): the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer
-  work and the same random bits, so zero stays zero, a nonzero ``v`` never decodes to zero, and both round unbiased.
-  With one code per binade, ``v`` keeps ``beta2 = 0.999``'s decay as the probability of stepping down a binade.
+* ``4bit`` (format version 2): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
+  codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), a bf16 ``m`` scale and an fp32 ``v`` scale per block, about
+  1.05 bytes per parameter. ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is
+  ``2**(c - 7)``, so 2**-6 .. 1, and code 0 is zero) with the ``8bit`` scale (absmax rounded up to bf16); ``v`` is
+  e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for zero) of the block's exact fp32 absmax:
+  the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer work, so
+  zero stays zero, a nonzero ``v`` never decodes to zero, and both round unbiased. The exact ``v`` scale is what
+  version 2 adds: a block whose ``v`` decays keeps its codes while its scale decays by ``beta2`` in fp32, where
+  version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a whole binade at random, a random
+  walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at ``beta2 = 0.999``; issue 27,
+  ``scripts/four_bit_v2_walk.py``). ``v`` rounds with 16 random bits (:func:`v4_rand_offset`), so an element whose
+  block maximum is held by another one still decays at any ``beta2 <= 1 - 2**-17``.
   The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
   and lets a kernel read and write both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers
   with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
@@ -48,7 +53,8 @@ Stochastic rounding of both moments draws on one 32-bit random word per element 
 ``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. In ``8bit``, bits 0-9 round ``v`` (10 bits:
 with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
 ``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
-hashes one word per element instead of two. ``4bit`` uses the word's bits exactly as ``8bit`` does.
+hashes one word per element instead of two. ``4bit`` rounds ``m`` with bits 10-15 as ``8bit`` does, and ``v`` with
+bits 0-9 and 16-21.
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
@@ -90,6 +96,8 @@ __all__ = [
     "dequantize_v_v1",
     "BLOCK4",
     "quantize_mv4",
+    "quantize_mv4_v1",
+    "v4_rand_offset",
     "dequantize_mv4",
     "param_stream",
     "load_moments",
@@ -305,6 +313,7 @@ M4_SIGN = 8  # the sign bit of a 4-bit m code
 M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
 M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
 V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
+V4_RAND_BITS = 16  # 4-bit v (version 2): bits 0-9 and 16-21 of the word, see v4_rand_offset
 
 
 def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:
@@ -388,20 +397,63 @@ def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return v.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
-def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
-    """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
-    e4m0 code of ``v``; bf16 ``m`` scales; bf16 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``.
+def _scale_exact(x_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block scale of non-negative values (NaN allowed) as the exact fp32 absmax (a NaN block: the canonical NaN
+    ``0x7FC00000``), and its fp32 reciprocal (0 where the scale is 0)."""
+    amax = x_blocks.amax(dim=1)
+    s = torch.where(torch.isnan(amax), torch.full_like(amax, float("nan")), amax)
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    return s, inv
 
-    ``bits``: the 32-bit random word per element; bits 10-15 round ``m`` and bits 0-9 round ``v``, as in ``8bit``.
-    """
-    n = m.numel()
-    rb = _blocks(bits, BLOCK4)
+
+def v4_rand_offset(bits: torch.Tensor) -> torch.Tensor:
+    """The random offset that rounds a 4-bit ``v`` code (format version 2): 16 random bits, bits 0-9 of the moments'
+    word as the high ten and bits 16-21 as the low six (their low six bits of the bf16 parameter's rounding, where it
+    shares the word, are the least significant there too), placed below the code, plus half a unit."""
+    r = ((bits & 0x3FF) << 6) | ((bits >> 16) & 0x3F)
+    return (r << (23 - V4_RAND_BITS)) | (1 << (22 - V4_RAND_BITS))
+
+
+def _quantize_m4(m: torch.Tensor, rb: torch.Tensor):
     mb = _blocks(m, BLOCK4)
     a = mb.abs()
     sm, inv = _scale(a)
     y = _normalized(a, inv)
     cm = minifloat_code(y, _rand_offset(rb, M_RAND_SHIFT, M_RAND_BITS, 23), 0, M4_BIAS)
-    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
+    return cm | torch.where(mb < 0, M4_SIGN, 0), sm
+
+
+def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
+    """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
+    e4m0 code of ``v``; bf16 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``.
+    4-bit format version 2.
+
+    The ``v`` scale is the block's exact absmax in fp32, so the element holding it gets code 15 (the scale itself)
+    and a block whose ``v`` only decays keeps all its codes while the scale decays by exactly ``beta2``: no rounding
+    event, so no random walk of ``log2(v)`` (version 1's bf16 scale, rounded up, cannot follow a 0.1% decay, and
+    every code then moved by whole binades at random).
+
+    ``bits``: the 32-bit random word per element; bits 10-15 round ``m`` (as in ``8bit``), bits 0-9 and 16-21 round
+    ``v`` (:func:`v4_rand_offset`).
+    """
+    n = m.numel()
+    rb = _blocks(bits, BLOCK4)
+    cm, sm = _quantize_m4(m, rb)
+    vb = _blocks(v, BLOCK4)
+    sv, inv = _scale_exact(vb)
+    y = _normalized(vb, inv)
+    cv = minifloat_code(y, v4_rand_offset(rb), 0, BIAS)
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)
+    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
+    return mv, sm, sv
+
+
+def quantize_mv4_v1(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
+    """4-bit format version 1 (kept to convert its checkpoints and to test that version 2 fixes it): as
+    :func:`quantize_mv4`, but the ``v`` scale is bf16, the absmax rounded up, and bits 0-9 alone round ``v``."""
+    n = m.numel()
+    rb = _blocks(bits, BLOCK4)
+    cm, sm = _quantize_m4(m, rb)
     vb = _blocks(v, BLOCK4)
     sv, inv = _scale(vb)
     y = _normalized(vb, inv)
@@ -412,9 +464,9 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
 
 
 def v4_decay_per_step(beta2: float) -> float:
-    """Expected decay factor per step of a 4-bit ``v`` that sits on a code below its block's maximum and gets zero
-    gradients: ``v * beta2`` (fp32) keeps its code or moves one binade down, with the probability that
-    :func:`quantize_mv4`'s 10 random bits give it, so ``v`` shrinks on average by ``1 - P(down) / 2`` a step, where
+    """Format version 1: expected decay factor per step of a 4-bit ``v`` that sits on a code below its block's maximum
+    and gets zero gradients: ``v * beta2`` (fp32) keeps its code or moves one binade down, with the probability that
+    :func:`quantize_mv4_v1`'s 10 random bits give it, so ``v`` shrinks on average by ``1 - P(down) / 2`` a step, where
     torch AdamW's shrinks by ``beta2``. ``P(down)`` is a multiple of 2**-10: at ``beta2 = 0.999`` 2**-9 (``1 -
     2**-10`` a step, 0.99902), from ``1 - 2**-12`` on 0 (no decay)."""
     y = torch.full((1 << V_RAND_BITS,), float(torch.tensor(beta2, dtype=torch.float32)))
@@ -424,7 +476,8 @@ def v4_decay_per_step(beta2: float) -> float:
 
 
 def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
-    """fp32 (m, v) of 4-bit codes ``mv`` (uint8, both moments per byte) and their bf16 block scales."""
+    """fp32 (m, v) of 4-bit codes ``mv`` (uint8, both moments per byte) and their block scales (bf16 for ``m``; fp32
+    for ``v`` in format version 2, bf16 in version 1: the same decoding)."""
     c = _blocks(mv.to(torch.int64), BLOCK4)
     cm = c & 15
     a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
@@ -470,13 +523,13 @@ def dequantize_v_v1(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``.
 
-    ``fmt`` may also be ``"8bit_v1"``, the 8-bit codes of format version 1 (read only).
+    ``fmt`` may also be ``"8bit_v1"``, the 8-bit codes of format version 1 (read only), or ``"4bit_v1"``.
     """
     if fmt == "8bit":
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
         v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
-    if fmt == "4bit":
+    if fmt in ("4bit", "4bit_v1"):
         m, v = dequantize_mv4(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
     if fmt == "8bit_v1":
@@ -501,8 +554,8 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
         state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits))
         state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, (bits & 0xFFFF) << 16))
         return
-    if fmt == "4bit":
-        mv, sm, sv = quantize_mv4(m, v, bits)
+    if fmt in ("4bit", "4bit_v1"):
+        mv, sm, sv = (quantize_mv4 if fmt == "4bit" else quantize_mv4_v1)(m, v, bits)
         state["exp_avg_mv"].copy_(mv)
         state["exp_avg_scale"].copy_(sm)
         state["exp_avg_sq_scale"].copy_(sv)
@@ -518,7 +571,7 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
 def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
     """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` or ``4bit`` state
     (its top 16 bits, which their codes leave unused), else a stream of its own."""
-    return STREAM_MV if fmt in ("8bit", "4bit") and param_dtype == torch.bfloat16 else STREAM_P
+    return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
 
 
 def adamw_step_ref_(

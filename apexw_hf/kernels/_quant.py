@@ -1,5 +1,5 @@
 """Triton helpers of the block formats: 8-bit version 2 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
-4-bit (``reference.quantize_mv4`` / ``dequantize_mv4``).
+4-bit version 2 (``reference.quantize_mv4`` / ``dequantize_mv4``).
 
 A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
 
@@ -16,18 +16,18 @@ multiplication replaces the reference's comparison, addition and selection, and 
 offset, shifted, are the code. The shift is folded into the addition (``(bits(t) << s) + (offset << s)``, one LEA or
 IMAD) so that the code lands in the top byte.
 
-4-bit state (``reference.quantize_mv4``) holds both codes in one byte: bits 0-2 the ``m`` magnitude (e3m0, exponent
-bias 7), bit 3 its sign, bits 4-7 the ``v`` code (e4m0, bias 15). The tile stays ``[ROWS, 256]``; block scales are
+4-bit state (``reference.quantize_mv4``, format version 2) holds both codes in one byte: bits 0-2 the ``m`` magnitude
+(e3m0, exponent bias 7), bit 3 its sign, bits 4-7 the ``v`` code (e4m0, bias 15); ``m`` has a bf16 block scale (absmax
+rounded up), ``v`` an fp32 one (the exact absmax, canonical NaN). The tile stays ``[ROWS, 256]``; block scales are
 reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp, holds two 4-bit blocks). The same
 product encodes both codes: ``y * 2**-112`` for ``v`` (bias 15, as above) and ``y * 2**-120`` for ``m`` (bias 7: its
 subnormal boundary 2**-6 lands on fp32's 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 *
 2**120); with no mantissa bits a code is the fp32 exponent field of that product once the random offset is added.
-One shift of the random word places both moments' random bits (bits 10-15 for ``m``, 0-9 for ``v``) right below
-their codes: ``m`` is added shifted left by 5 (code in bits 28-30, bit 31 free), ``v`` shifted right by 1 (code in
-bits 22-25; the bit shifted out lies below the half-unit bit, so the carry, hence the code, is the same). A funnel
-shift then joins the two codes into the byte. Decoding goes through fp16 as for 8 bits: the ``v`` code is the fp16
-exponent field (``code << 10``, code 0 the zero); the ``m`` code is too with bias 15, and an exact fp16
-multiplication by 256, two codes at a time, moves it to bias 7 (zero stays zero).
+One shift of the random word places ``m``'s random bits (bits 10-15) right below its code when the magnitude is added
+shifted left by 5 (code in bits 28-30, bit 31 free); ``v``'s 16 random bits (bits 0-9 high, 16-21 low,
+``reference.v4_rand_offset``) are gathered into bits 7-22, below the code at bits 23-26. Decoding goes through fp16
+as for 8 bits: the ``v`` code is the fp16 exponent field (``code << 10``, code 0 the zero); the ``m`` code is too with
+bias 15, and an exact fp16 multiplication by 256, two codes at a time, moves it to bias 7 (zero stays zero).
 """
 
 import triton
@@ -49,7 +49,9 @@ V_HALF = tl.constexpr(1 << 13)
 TWO_POW_M120 = tl.constexpr(2.0**-120)
 W4_SHIFT = tl.constexpr(12)
 M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
-V4_RAND_MASK, V4_HALF = tl.constexpr(0x3FF << 12), tl.constexpr(1 << 11)
+# 4-bit v (version 2): bits 0-9 of the word to bits 13-22, bits 16-21 to bits 7-12, half a unit at bit 6.
+V4_HI_MASK, V4_LO_MASK, V4_HALF = tl.constexpr(0x3FF << 13), tl.constexpr(0x3F << 7), tl.constexpr(1 << 6)
+CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
 
 
 @triton.jit
@@ -141,6 +143,22 @@ def block_scale(a, mask, MASKED: tl.constexpr = True):
 
 
 @triton.jit
+def block_scale_f32(a, mask, MASKED: tl.constexpr = True):
+    """Per-row absmax of ``a >= 0`` (NaN wins, as the canonical NaN) in fp32: (its bits [R], fp32 reciprocal [R]).
+
+    ``reference._scale_exact``; the integer max as in :func:`block_scale`, with no rounding up, and the reciprocal of
+    a zero scale inf (see there).
+    """
+    if MASKED:
+        amax = tl.max(tl.where(mask, f32_bits(a), 0), axis=1)
+    else:
+        amax = tl.max(f32_bits(a), axis=1)
+    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, amax)
+    s = sbits.to(tl.float32, bitcast=True)
+    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
 def scaled_bits(a, inv):
     """The fp32 bits of ``reference._normalized(a) * 2**-112`` (uint32), see the module docstring.
 
@@ -206,8 +224,8 @@ def _by_block4(x, s):
 
 
 @triton.jit
-def dequant_mv4(codes, m_scale_bits, v_scale_bits):
-    """uint8 4-bit codes [R, 256] and bf16 scale bits [2 * R] of both moments -> fp32 (m, v)
+def dequant_mv4(codes, m_scale_bits, v_scale):
+    """uint8 4-bit codes [R, 256], bf16 ``m`` scale bits [2 * R] and fp32 ``v`` scales [2 * R] -> fp32 (m, v)
     (``reference.dequantize_mv4``).
 
     ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``); ``v``: the
@@ -217,12 +235,12 @@ def dequant_mv4(codes, m_scale_bits, v_scale_bits):
     c = codes.to(tl.uint32)
     hm = _m4_halves(((c << 10) & 0x1C00) | ((c << 12) & 0x8000))  # the high half stays 0
     m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), bf16_bits_to_f32(m_scale_bits))
-    v = _by_block4(_f16_bits_to_f32(((c << 6) & 0x3C00).to(tl.uint16)), bf16_bits_to_f32(v_scale_bits))
+    v = _by_block4(_f16_bits_to_f32(((c << 6) & 0x3C00).to(tl.uint16)), v_scale)
     return m, v
 
 
 @triton.jit
-def dequant_mv4_words(w, m_scale_bits, v_scale_bits):
+def dequant_mv4_words(w, m_scale_bits, v_scale):
     """``dequant_mv4`` on the codes packed four to a little-endian uint32 word [R, 64] -> (m, v) [R, 256].
 
     As :func:`_decode_words`: two codes per 32-bit operation, bytes 0 and 2 in one word, bytes 1 and 3 in another.
@@ -236,15 +254,15 @@ def dequant_mv4_words(w, m_scale_bits, v_scale_bits):
     m = tl.reshape(x.to(tl.float32), (w.shape[0], 4 * w.shape[1]))
     x = tl.join(_halves_to_f32(v_even), _halves_to_f32(v_odd))
     v = tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
-    return _by_block4(m, bf16_bits_to_f32(m_scale_bits)), _by_block4(v, bf16_bits_to_f32(v_scale_bits))
+    return _by_block4(m, bf16_bits_to_f32(m_scale_bits)), _by_block4(v, v_scale)
 
 
 @triton.jit
 def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
-    """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R]): bf16
-    scales of 128-element blocks; bits 10-15 of the 32 random ``bits`` round ``m`` and bits 0-9 round ``v``, nonzero
-    ``v`` never gets code 0 (``reference.quantize_mv4``). ``one``: [2 * R, 1], as in :func:`quant_m`. ``EVEN``: the
-    launch is whole 256-element rows (masked rows hold zeros).
+    """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R] (bf16), v scale bits [2 * R]
+    (fp32)): scales of 128-element blocks; bits 10-15 of the 32 random ``bits`` round ``m``, bits 0-9 and 16-21 round
+    ``v``, nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 2). ``one``: [2 * R, 1], as in
+    :func:`quant_m`. ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
 
     See the module docstring: the ``m`` code lands in bits 28-30 of ``xm``, the ``v`` code in bits 0-3 of ``cv``, and
     ``(xm >> 28) | (cv << 4)`` is one funnel shift. The sign is set after it: set in ``xm`` before, the compiler moves
@@ -257,12 +275,13 @@ def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     bits = tl.reshape(bits, (2 * R, 128))
     a = tl.abs(m)
     msb, minv = block_scale(a, mask, not EVEN)
-    vsb, vinv = block_scale(v, mask, not EVEN)
+    vsb, vinv = block_scale_f32(v, mask, not EVEN)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     w = bits << W4_SHIFT
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + ((w & M4_RAND_MASK) | (one * M4_HALF))
-    cv = ((f32_bits(yv * TWO_POW_M112) >> 1) + ((w & V4_RAND_MASK) | (one * V4_HALF))) >> 22
+    rv = ((bits << 13) & V4_HI_MASK) | ((bits >> 9) & V4_LO_MASK) | (one * V4_HALF)
+    cv = (f32_bits(yv * TWO_POW_M112) + rv) >> 23
     cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)

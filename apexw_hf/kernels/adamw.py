@@ -217,9 +217,10 @@ def _adamw_kernel(
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            # format version 2: the v scales are fp32
+            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             msc = tl.load(ms_ptr + srows, mask=bmask, other=0)
-            vsc = tl.load(vs_ptr + srows, mask=bmask, other=0)
+            vsc = tl.load(vs_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             # Both moments' codes in one byte per element: one byte load and one byte store per element.
             mv_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             if EVEN and ALIGNED:
@@ -272,8 +273,8 @@ def _adamw_kernel(
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
         else:
-            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit and 4bit:
-            # bits 0-9 v, bits 10-15 m, and the top 16 a bf16 parameter).
+            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9 v,
+            # bits 10-15 m, and the top 16 a bf16 parameter; 4bit as 8bit, with bits 16-21 as v's six low bits).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
                 tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)

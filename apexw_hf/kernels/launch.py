@@ -84,7 +84,8 @@ _STATE_DTYPES = {
         "exp_avg_scale": torch.bfloat16,
         "exp_avg_sq_scale": torch.bfloat16,
     },
-    "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.bfloat16},
+    # format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
+    "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
 }
 
 

@@ -20,9 +20,9 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   times the scale;
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
-  propagates as ``torch.amax``'s does), rounded up to bf16;
-* the random word ``mix32(index * GOLDEN + key)``, its bits 10-15 rounding ``m``, 0-9 ``v`` and 16-31 a bf16
-  parameter (``reference.param_stream``);
+  propagates as ``torch.amax``'s does), rounded up to bf16 (4-bit ``v``: kept exact in fp32, a NaN canonical);
+* the random word ``mix32(index * GOLDEN + key)``, its bits 10-15 rounding ``m``, 0-9 ``v`` (4-bit: and 16-21 below
+  them) and 16-31 a bf16 parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
 A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
@@ -108,7 +108,10 @@ SIGN7, MAG7 = u32(128), u32(127)
 S4, S17, S23 = u32(4), u32(17), u32(23)
 LOW4, MAG3, SIGN3 = u32(15), u32(7), u32(8)
 M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
-M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 12)
+# 4-bit v (format version 2): 16 random bits, the word's bits 0-9 at bits 13-22 and 16-21 at 7-12, half a unit at 6
+M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
+V4_LO_MASK, S7 = u32(63), u32(7)
+F32_NAN_BITS = u32(0x7FC00000)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
 
@@ -134,6 +137,15 @@ def round_up_bf16(amax_bits):
 def inverse(scale16):
     """``reference._scale``'s reciprocal of a bf16 scale (its bits): ``1 / scale`` in fp32, 0 for a zero scale."""
     s = bits_f32(u32(scale16) << S16)
+    if s == F_ZERO:
+        return F_ZERO
+    return F_ONE / s
+
+
+@njit(inline="always")
+def inverse_f32(scale_bits):
+    """``reference._scale_exact``'s reciprocal of an fp32 scale (its bits): ``1 / scale``, 0 for a zero scale."""
+    s = bits_f32(scale_bits)
     if s == F_ZERO:
         return F_ZERO
     return F_ONE / s
@@ -170,7 +182,8 @@ def update(m, v, g, p, beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
 
 @njit(inline="always")
 def finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, blk, key, p_mode):
-    """Zero moments in the padding, the random words, the parameter out; returns the bf16 block scales."""
+    """Zero moments in the padding, the random words, the parameter out; returns the block maxima of ``|m|`` and
+    ``v`` (their fp32 bits; a NaN above inf above every finite value)."""
     for j in range(nv, blk):
         mbuf[j] = F_ZERO
         vbuf[j] = F_ZERO
@@ -191,13 +204,13 @@ def finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, blk, key, p_mode):
             x = pbuf[j]
             r = u32(f32_bits(x) + (wbuf[j] >> S16)) >> S16
             p16[base + j] = BF16_NAN if x != x else np.uint16(r)
-    # block maxima on the bits (NaN above inf above every finite value), rounded up to bf16
+    # block maxima on the bits (NaN above inf above every finite value)
     amax_m = u32(0)
     amax_v = u32(0)
     for j in range(blk):
         amax_m = max(amax_m, u32(f32_bits(mbuf[j]) & ABS))
         amax_v = max(amax_v, u32(f32_bits(vbuf[j]) & ABS))
-    return round_up_bf16(amax_m), round_up_bf16(amax_v)
+    return amax_m, amax_v
 
 
 @njit(inline="always")
@@ -253,7 +266,9 @@ def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, b
                 pbuf[j] = p
                 mbuf[j] = m
                 vbuf[j] = v
-            s16m, s16v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK8, seg_key[blk_seg[b]], p_mode)
+            key = seg_key[blk_seg[b]]
+            amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK8, key, p_mode)
+            s16m, s16v = round_up_bf16(amax_m), round_up_bf16(amax_v)
             m_scale[b] = s16m
             v_scale[b] = s16v
             inv_m = inverse(s16m)
@@ -276,8 +291,8 @@ def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, b
 
 @njit(parallel=True, cache=True, nogil=True)
 def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks):
-    """One chunk with 4-bit state (``codes``: both moments per byte, ``reference.quantize_mv4``); the other
-    arguments as :func:`step_8bit`'s."""
+    """One chunk with 4-bit state, format version 2 (``codes``: both moments per byte, ``reference.quantize_mv4``;
+    ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
@@ -292,7 +307,7 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
             nv = u64(blk_valid[b])
             load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK4, p_mode)
             sm = bits_f32(u32(m_scale[b]) << S16)
-            sv = bits_f32(u32(v_scale[b]) << S16)
+            sv = bits_f32(v_scale[b])
             for j in range(BLOCK4):
                 # decode: code c >= 1 is 2**(c - bias), code 0 is zero (m: sign in bit 3)
                 byte = u32(codes[base + j])
@@ -308,11 +323,14 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
                 pbuf[j] = p
                 mbuf[j] = m
                 vbuf[j] = v
-            s16m, s16v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, seg_key[blk_seg[b]], p_mode)
+            key = seg_key[blk_seg[b]]
+            amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, key, p_mode)
+            s16m = round_up_bf16(amax_m)
+            s32v = F32_NAN_BITS if amax_v > INF_BITS else amax_v  # v: the exact fp32 absmax (format version 2)
             m_scale[b] = s16m
-            v_scale[b] = s16v
+            v_scale[b] = s32v
             inv_m = inverse(s16m)
-            inv_v = inverse(s16v)
+            inv_v = inverse_f32(s32v)
             for j in range(BLOCK4):
                 w = wbuf[j]
                 m = mbuf[j]
@@ -322,7 +340,7 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
                 cm = cm | SIGN3 if m < F_ZERO else cm
                 v = vbuf[j]
                 x = code_bits(normalized(v, inv_v), MIN_NORMAL)
-                r = ((w & V_RMASK) << S13) | V4_HALF
+                r = ((w & V_RMASK) << S13) | (((w >> S16) & V4_LO_MASK) << S7) | V4_HALF
                 cv = u32(u32(x + r) >> S23) - V4_OFF
                 cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv
                 codes[base + j] = np.uint8(cm | (cv << S4))
@@ -400,6 +418,8 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
             torch._foreach_copy_(*io["moments_in"])
         codes = [_np(io["mom"])] if four else [_np(io["mom_m"]), _np(io["mom_v"])]
         ms, vs = _np(io["scl_m"]), _np(io["scl_v"])
+    if four:
+        vs = vs.view(np.uint32)  # the fp32 v scales (format version 2) as their bits
     if g.dtype == torch.float32:
         g32, g16 = _np(g), _EMPTY_U16
     elif g.dtype == torch.bfloat16:

@@ -12,10 +12,10 @@ compact    exp_avg, exp_avg_sq: bf16    4
            exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements
            exp_avg_scale,
            exp_avg_sq_scale: bf16
-4bit       exp_avg_mv: uint8, both      1, plus 2 * 2 bytes of bf16 scales per block of
-           moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements
-           exp_avg_scale,
-           exp_avg_sq_scale: bf16
+4bit       exp_avg_mv: uint8, both      1, plus 2 + 4 bytes of scales per block of
+           moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements (1.047)
+           exp_avg_scale: bf16,
+           exp_avg_sq_scale: fp32
 =========  ===========================  ==============================================================
 
 The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted); 4-bit
@@ -26,8 +26,14 @@ entry holds: uint8 (sign + e4m3 minifloat) is version 2, int8 (``(c/127)**2``) i
 2 existed. A version-1 entry is converted on load (decoded, then re-encoded with the random stream of its step, so
 deterministically) and reported as ``"8bit_v1"`` by :func:`state_format_of`.
 
-Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1 and ``torch.optim.AdamW``'s
-float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by ``reference.store_moments``.
+The 4-bit codes are of format version 2 as well, and the dtype of ``exp_avg_sq_scale`` says which version an entry
+holds: fp32 (the exact block absmax of ``v``) is version 2, bf16 (the absmax rounded up) is version 1
+(``reference.quantize_mv4_v1``, ``"4bit_v1"``), converted on load the same way. A scale of any other dtype or
+shape is refused with a ``ValueError`` before anything changes.
+
+Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 4bit_v1 and
+``torch.optim.AdamW``'s float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by
+``reference.store_moments``.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ from . import dtensor as dt
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
 EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and those of format version 1 (read only)
-QUANTIZED = (*EIGHT_BIT, "4bit")  # the layouts with block scales
+FOUR_BIT = ("4bit", "4bit_v1")  # the 4-bit layouts: format version 2 and version 1 (read only)
+QUANTIZED = (*EIGHT_BIT, *FOUR_BIT)  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 STATE_KEYS = (*MOMENT_KEYS, MV4_KEY, *SCALE_KEYS)  # every tensor key of some layout, besides "step"
 MOMENT_DTYPES = {
@@ -49,13 +56,20 @@ MOMENT_DTYPES = {
     "8bit": (torch.uint8, torch.uint8),
     "8bit_v1": (torch.int8, torch.uint8),
     "4bit": (torch.uint8,),
+    "4bit_v1": (torch.uint8,),
 }
-SCALE_BLOCKS = {"8bit": ref.BLOCK, "8bit_v1": ref.BLOCK, "4bit": ref.BLOCK4}  # elements per block scale
+SCALE_BLOCKS = {"8bit": ref.BLOCK, "8bit_v1": ref.BLOCK, "4bit": ref.BLOCK4, "4bit_v1": ref.BLOCK4}  # per scale
+SCALE_DTYPES = {  # dtypes of (exp_avg_scale, exp_avg_sq_scale)
+    "8bit": (torch.bfloat16, torch.bfloat16),
+    "8bit_v1": (torch.bfloat16, torch.bfloat16),
+    "4bit": (torch.bfloat16, torch.float32),
+    "4bit_v1": (torch.bfloat16, torch.bfloat16),
+}
 
 
 def moment_keys(fmt: str) -> tuple[str, ...]:
     """The state keys of a format's moments (4-bit: both in one tensor)."""
-    return (MV4_KEY,) if fmt == "4bit" else MOMENT_KEYS
+    return (MV4_KEY,) if fmt in FOUR_BIT else MOMENT_KEYS
 
 
 def init_state(p: torch.Tensor, fmt: str) -> dict:
@@ -80,7 +94,7 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
         nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
         state[MV4_KEY] = torch.zeros_like(p, dtype=torch.uint8, **kw)
         state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
-        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
+        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=SCALE_DTYPES[fmt][1], device=p.device)
     else:
         raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
     return state
@@ -88,11 +102,12 @@ def init_state(p: torch.Tensor, fmt: str) -> dict:
 
 def state_format_of(state: dict) -> str | None:
     """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
-    version 1 (int8 ``exp_avg``; always converted), ``"float"`` for moments of another float dtype
+    version 1 (int8 ``exp_avg``; always converted), ``"4bit_v1"`` for 4-bit codes of format version 1 (a bf16
+    ``exp_avg_sq_scale``; always converted), ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
     if MV4_KEY in state:
-        return "4bit"
+        return "4bit_v1" if getattr(state.get("exp_avg_sq_scale"), "dtype", None) == torch.bfloat16 else "4bit"
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
@@ -114,6 +129,8 @@ def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
         return
     for key in MOMENT_KEYS:
         got = state[key]
+        if isinstance(got, torch.Tensor) and got.is_floating_point() and got.shape != p.shape:
+            _shape_mismatch(key, got, p)
         if not isinstance(got, torch.Tensor) or not got.is_floating_point() or got.shape != p.shape:
             raise ValueError(
                 f"optimizer state '{key}' for a parameter of shape {tuple(p.shape)} is "
@@ -132,8 +149,16 @@ def _layout(p: torch.Tensor, fmt: str) -> dict:
             nb = dt.max_local_blocks(p, block) * dt.shard_count(p)
         else:
             nb = ref.num_blocks(p.numel(), block)
-        out.update({k: (torch.bfloat16, torch.Size([nb])) for k in SCALE_KEYS})
+        out.update({k: (d, torch.Size([nb])) for k, d in zip(SCALE_KEYS, SCALE_DTYPES[fmt])})
     return out
+
+
+def _shape_mismatch(key: str, got: torch.Tensor, p: torch.Tensor) -> None:
+    """Raise the error of a moment tensor whose shape is not its parameter's (a state dict of another model)."""
+    raise ValueError(
+        f"optimizer state '{key}' has shape {tuple(got.shape)} but its parameter has shape {tuple(p.shape)}: the "
+        "state dict was saved from a different model (or with its parameters in another order)"
+    )
 
 
 def _check_kind(key: str, got: torch.Tensor, p: torch.Tensor) -> None:
@@ -160,6 +185,8 @@ def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
         got = state.get(key)
         if isinstance(got, torch.Tensor):
             _check_kind(key, got, p)
+            if key in (*MOMENT_KEYS, MV4_KEY) and got.dtype == dtype and got.shape != p.shape:
+                _shape_mismatch(key, got, p)
         if not isinstance(got, torch.Tensor) or got.dtype != dtype or got.shape != shape:
             desc = (
                 "missing" if got is None else f"{getattr(got, 'dtype', type(got))} {tuple(getattr(got, 'shape', ()))}"

@@ -72,7 +72,7 @@ from .. import _random as rnd
 from .. import reference as ref
 from . import dtensor as dt
 from .hparams import step_hparams
-from .state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_KEYS, STATE_KEYS, moment_keys
+from .state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_DTYPES, SCALE_KEYS, STATE_KEYS, moment_keys
 from .torch_passes import (
     Scratch,
     bf16_stochastic,
@@ -211,7 +211,8 @@ class _Layout:
         ``state_dict``), so the chunk reads and writes that state where it lies instead of gathering and scattering
         it; tails of large tensors and DTensor shards are still copied in and out.
 
-        Returns ``(moments, scales or None, indices of the segments that live there)``.
+        Returns ``(moments, (both scales in one buffer or None, (m scales, v scales) or None), indices of the segments
+        that live there)``.
         """
         n, fmt, blk = ch.length, self.fmt, self.block
         dev = self.locals[0].device
@@ -219,7 +220,14 @@ class _Layout:
         keys = moment_keys(fmt)
         mom = torch.zeros(len(keys) * n, dtype=mdtype, device=dev)
         nb = n // blk if blk else 0
-        scl = torch.zeros(2 * nb, dtype=torch.bfloat16, device=dev) if blk else None
+        scl, parts = None, None
+        if blk:
+            sdt = SCALE_DTYPES[fmt]
+            if sdt[0] == sdt[1]:  # 8-bit: both in one buffer, encoded and decoded by one operation
+                scl = torch.zeros(2 * nb, dtype=sdt[0], device=dev)
+                parts = (scl[:nb], scl[nb:])
+            else:  # 4-bit (format version 2): bf16 m scales, fp32 v scales
+                parts = tuple(torch.zeros(nb, dtype=d, device=dev) for d in sdt)
         moved = set()
         for j, (slot, _, k, o, whole) in enumerate(ch.segs):
             i = self.fast[slot]
@@ -230,14 +238,14 @@ class _Layout:
                 view = mom[at : at + k].view(state[key].shape)
                 view.copy_(state[key])
                 state[key] = view
-            if scl is not None:
+            if parts is not None:
                 kb = -(-k // blk)
-                for key, at in zip(SCALE_KEYS, (o // blk, nb + o // blk)):
-                    view = scl[at : at + kb]
+                for key, part in zip(SCALE_KEYS, parts):
+                    view = part[o // blk : o // blk + kb]
                     view.copy_(state[key])
                     state[key] = view
             moved.add(j)
-        return mom, scl, moved
+        return mom, (scl, parts), moved
 
     def _bind(self, ch: _Chunk, scratch: Scratch) -> dict:
         """The persistent tensors a chunk reads and writes: (source, scratch slice) pairs of the same shape for a
@@ -294,7 +302,7 @@ class _Layout:
             gather.append(("copy", io["p_in"], io["p_src"]))
             pads_in += [b.p[o : o + k] for o, k in ch.pads]
         # moments: the chunk's own buffers (_flatten); copied in and out only for segments that do not live there
-        mom, scl, moved = ch.flat
+        mom, (scl, parts), moved = ch.flat
         rest = [seg for j, seg in enumerate(ch.segs) if j not in moved]
         n, nb = ch.length, ch.length // blk if blk else 0
         dst, src = [], []
@@ -304,16 +312,16 @@ class _Layout:
                 dst.append(mom[at + o : at + o + k])
                 src.append(piece(st[slot][key], seg).reshape(-1))
         if blk:
-            for key, at in zip(SCALE_KEYS, (0, nb)):
+            for key, part in zip(SCALE_KEYS, parts):
                 for seg in rest:
                     slot, a, k, o, whole = seg
-                    dst.append(scl[at + o // blk : at + o // blk + -(-k // blk)])
+                    dst.append(part[o // blk : o // blk + -(-k // blk)])
                     src.append(piece(st[slot][key], seg, scale=True))
             io["pads_mv"] = [x[o : o + k] for x in (b.m, b.v) for o, k in ch.pads]
         io["moments_in"], io["moments_out"] = (dst, src), (src, dst)
         io["mom"], io["mom_m"], io["mom_v"] = mom, mom[:n], mom[n:]
-        if scl is not None:
-            io["scl"], io["scl_m"], io["scl_v"] = scl, scl[:nb], scl[nb:]
+        if parts is not None:
+            io["scl"], (io["scl_m"], io["scl_v"]) = scl, parts
         io["gather"], io["pads_in"] = gather, pads_in
         return io
 
@@ -574,7 +582,9 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             p_out = None
     # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
-        hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=fmt == "compact" or p_out is not None)
+        # the whole word for compact, 4-bit (its v reads bits 16-21) and a bf16 parameter; else the low 16 bits
+        top = fmt in ("compact", "4bit") or p_out is not None
+        hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=top)
     if p_out is not None and stochastic_p:  # bf16 with 8-bit or 4-bit state: the top 16 bits of the moments' word
         _round_param(P, dtype, b, c, p_out)
     if not ch.direct:

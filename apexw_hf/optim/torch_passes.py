@@ -31,7 +31,8 @@ step first (:func:`encode_8bit`, ``exact=True``), and chunks with a NaN or an in
 The sign of ``m`` (bit 7 of its code: ``m < 0``, so not for ``-0``) comes from ``lt(m, 0)`` written as fp32 1.0/0.0:
 the int32 bits of 1.0 times 16 are ``-2**27`` mod ``2**32``, which adds 128 (mod 256) to the code once shifted.
 
-4-bit state (``reference.quantize_mv4``) is the same encoding without mantissa bits, with blocks of
+4-bit state (``reference.quantize_mv4``, format version 2: an exact fp32 ``v`` scale, 16 random bits for ``v``) is the
+same encoding without mantissa bits, with blocks of
 :data:`~apexw_hf.reference.BLOCK4`: ``code = ((bits(w * 2**k) + offset) >> 23) - (127 - bias + k)`` per moment, with
 ``k = -8`` for ``m`` (bias 7) and ``k = -7`` for ``v`` (bias 15), so that the byte ``m code + 16 * v code`` has the
 offset ``112 + 16 * 105 = 7 * 256``, which vanishes in the uint8 store; the sign of ``m`` (bit 3) is the bits of 1.0
@@ -72,7 +73,9 @@ M4_OFFSET, V4_OFFSET = 127 - ref.M4_BIAS + M4_K, 127 - ref.BIAS + V4_K  # 112, 1
 M4_RAND_UP = 23 - ref.M_RAND_BITS - ref.M_RAND_SHIFT  # 7: bits 10-15 to 17-22
 V4_RAND_UP = 23 - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 13: bits 0-9 to 13-22
 M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V_RAND_BITS) - 1) << 13
-M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 12
+# v (format version 2) has 16 random bits (reference.v4_rand_offset): bits 16-21 go to 7-12, half a unit at bit 6
+V4_LO_DOWN, V4_LO_MASK = 9, 0x3F << 7
+M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 6
 M4_SIGN_ALPHA = -8  # 127 * -8 = 8 (mod 256): the bits of 1.0 times this set the sign bit of the m code
 M4_DECODE_SCALE_MAX = 2.0**120  # below this, 2**8 * scale is finite (and exact)
 _HIGH_HALF = 1 if sys.byteorder == "little" else 0  # the int16 of an int32 that holds its top 16 bits
@@ -116,6 +119,7 @@ class Consts:
         self.mask4_col = col([M4_RAND_MASK, V4_RAND_MASK], torch.int32)
         self.half4_col = col([M4_RAND_HALF, V4_RAND_HALF], torch.int32)
         self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
+        self.v4_lo_down, self.v4_lo_mask = i(V4_LO_DOWN), i(V4_LO_MASK)
         # 4-bit decoding: the byte in both rows, m's nibble to bits 12-15 and v's to 12-15, then an arithmetic shift
         # by 2 puts each code in the fp16 exponent (m's sign also lands on bits 13-15: kept in 15, cleared in 13-14)
         self.dec4_shift_col = col([12, 8], torch.int16)
@@ -358,7 +362,8 @@ def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scale
 def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, *, four_bit: bool = False) -> str:
     """Block scales of both moments (from ``b.m = |m|`` and ``b.v``, in blocks of ``b.block``) into the bf16 tensors
     ``m_scale_out`` and ``v_scale_out`` (or ``scales2``, both side by side), ``1 / scale`` into ``b.inv`` and the
-    normalizing factors of the 8-bit (``four_bit``: 4-bit) encoding into ``b.fac``.
+    normalizing factors of the 8-bit (``four_bit``: 4-bit) encoding into ``b.fac``. With ``four_bit`` the ``v``
+    scale is the exact fp32 absmax (format version 2), written into the fp32 ``v_scale_out`` (no ``scales2``).
 
     Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
     ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
@@ -369,7 +374,13 @@ def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, 
         return "ref"
     # round up to bf16 on the bits (finite, non-negative): the fp32 bits of the scale, then its bf16 bits
     torch.add(b.amax_i, c.bf16_up, out=b.s_i).bitwise_and_(c.high16)
-    if scales2 is not None:
+    if four_bit:
+        nb = b.blocks
+        b.s_i[nb:].copy_(b.amax_i[nb:])  # v: the exact absmax
+        b.scale16[:nb].copy_(high_halves(b.s_i[:nb]))
+        m_scale_out.copy_(b.m_scale)
+        v_scale_out.copy_(b.amax[nb:])
+    elif scales2 is not None:
         scales2.view(torch.int16).copy_(high_halves(b.s_i))
     else:
         b.scale16.copy_(high_halves(b.s_i))
@@ -478,6 +489,9 @@ def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
         torch.maximum(b.m, b.u_m, out=b.m)
         b.v.clamp_(min=c.v4_least)
     torch.bitwise_left_shift(b.z, c.up4_col, out=b.r2).bitwise_and_(c.mask4_col).add_(c.half4_col)
+    lo = b.typed("v4_rand_lo", torch.int32)  # v's six low random bits, the word's bits 16-21 at bits 7-12
+    torch.bitwise_right_shift(b.z, c.v4_lo_down, out=lo).bitwise_and_(c.v4_lo_mask)
+    b.rv.add_(lo)
     b.r.add_(b.mv_i)
     b.rm.add_(b.a_i, alpha=M4_SIGN_ALPHA)
     b.r.bitwise_right_shift_(c.s23)  # the codes' exponent fields (m's plus 8 where m < 0, mod 256)

@@ -5,7 +5,8 @@ and the values around it, the exact thresholds where a random offset carries int
 inf blocks, blocks whose scale is subnormal or whose reciprocal overflows, with random words of all-0 bits, all-1
 bits, hashed words and words that set only the bits of one moment. Decoding: all 256 codes under ordinary and special
 scales, one code at a time and four to a word. The 4-bit codes (both moments in one byte, 128-element blocks) get the
-same treatment at the end of the module.
+same treatment at the end of the module (format version 2: a bf16 ``m`` scale, an exact fp32 ``v`` scale, and 16
+random bits for ``v``, the word's bits 0-9 above its bits 16-21).
 """
 
 import pytest
@@ -274,6 +275,20 @@ def test_decode_every_code(moment, words):
 # ---- 4-bit: sign + e3m0 (bias 7) and e4m0 (bias 15) codes in one byte, 128-element blocks ---------------------------
 
 MANT4 = {"m": 0, "v": 0}
+V4_WORD_MASK = 0x3F03FF  # the word's bits that round a 4-bit v (0-9 and 16-21)
+
+
+def _v4_word(r: int) -> int:
+    """The word whose bits round a 4-bit v with the 16-bit random value ``r`` (``reference.v4_rand_offset``)."""
+    return (r >> 6) | ((r & 63) << 16)
+
+
+def _words4(n: int, kind: str, moment: str) -> torch.Tensor:
+    """``_words`` for the 4-bit codes, whose v reads the word's bits 0-9 and 16-21."""
+    if moment == "v" and kind in ("own_bits", "other_bits"):
+        w = V4_WORD_MASK if kind == "own_bits" else 0xFFFFFFFF ^ V4_WORD_MASK
+        return torch.full((n,), w, dtype=torch.int64)
+    return _words(n, kind, moment)
 BIAS4 = {"m": ref.M4_BIAS, "v": ref.BIAS}
 CODE_MAX4 = {"m": ref.M4_CODE_MAX, "v": ref.V4_CODE_MAX}
 
@@ -299,7 +314,7 @@ def _decode4_kernel(code_ptr, ms_ptr, vs_ptr, m_ptr, v_ptr, WORDS: tl.constexpr)
     row = tl.program_id(0)
     blk = row * 2 + tl.arange(0, 2)
     ms = tl.load(ms_ptr + blk).to(tl.uint16, bitcast=True)
-    vs = tl.load(vs_ptr + blk).to(tl.uint16, bitcast=True)
+    vs = tl.load(vs_ptr + blk).to(tl.float32, bitcast=True)  # fp32 v scales (format version 2), int32 bits
     offs = row * 256 + tl.arange(0, 256)[None, :]
     if WORDS:
         w = tl.load(code_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row * 64 + tl.arange(0, 64)[None, :])
@@ -316,7 +331,7 @@ def _encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = 
     codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     nb = ref.num_blocks(n, ref.BLOCK4)
     ms = torch.empty(nb, dtype=torch.int16, device=DEVICE)
-    vs = torch.empty(nb, dtype=torch.int16, device=DEVICE)
+    vs = torch.empty(nb, dtype=torch.int32, device=DEVICE)
     _encode4_kernel[(ref.num_blocks(n),)](
         m.to(DEVICE),
         v.to(DEVICE),
@@ -329,7 +344,7 @@ def _encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = 
         num_warps=1,
         enable_fp_fusion=False,
     )
-    return codes.cpu(), ms.cpu().view(torch.bfloat16), vs.cpu().view(torch.bfloat16)
+    return codes.cpu(), ms.cpu().view(torch.bfloat16), vs.cpu().view(torch.float32)
 
 
 def _check_encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = False) -> None:
@@ -398,7 +413,11 @@ def _both(moment: str, x: torch.Tensor):
 @pytest.mark.parametrize("moment", ["m", "v"])
 def test_4bit_code_boundaries(moment, words):
     x = _blocks4_led_by_one(_boundary_values4(moment), signs=moment == "m")
-    _check_encode4(*_both(moment, x), _words(x.numel(), words, moment))
+    _check_encode4(*_both(moment, x), _words4(x.numel(), words, moment))
+    # the same under a block scale that is not a bf16 value: the v scale is exact, and v's codes stay the same
+    s = 0.999
+    m, v = _both(moment, x * s)
+    _check_encode4(m, v, _words4(x.numel(), words, moment))
 
 
 @pytest.mark.parametrize("moment", ["m", "v"])
@@ -410,10 +429,10 @@ def test_4bit_every_code_is_exact(moment):
     m, v = _both(moment, x)
     shift = 0 if moment == "m" else 4
     for kind in ("zeros", "ones"):
-        codes, _, _ = _encode4(m, v, _words(x.numel(), kind, moment))
+        codes, _, _ = _encode4(m, v, _words4(x.numel(), kind, moment))
         got = (codes[1 : c.numel() + 1].long() >> shift) & 15
         assert torch.equal(got, torch.arange(c.numel())), f"{moment}, words {kind}"
-        _check_encode4(m, v, _words(x.numel(), kind, moment), even=True)
+        _check_encode4(m, v, _words4(x.numel(), kind, moment), even=True)
 
 
 @pytest.mark.parametrize("moment", ["m", "v"])
@@ -421,7 +440,7 @@ def test_4bit_rounding_thresholds(moment):
     """For each code step and several random values ``r``: the value whose dropped bits plus the offset reach the next
     code exactly, and its neighbours one ulp either side (the word carries exactly those random bits); in the normal
     range and below the subnormal boundary (there in units of the ulp of ``y + boundary``)."""
-    shift, nbits = RAND[moment]
+    shift, nbits = RAND[moment] if moment == "m" else (0, ref.V4_RAND_BITS)
     ys, ws = [], []
     base = _code_values4(moment)[1 : CODE_MAX4[moment]]  # normal codes below 1.0
     ulp = 2.0 ** (1 - BIAS4[moment]) * 2.0**-23
@@ -430,7 +449,8 @@ def test_4bit_rounding_thresholds(moment):
         for delta in (-1, 0, 1):
             ys.append(_f32_bits(base.view(torch.int32).long() + ((1 << 23) - offset) + delta))
             ys.append(torch.tensor([((1 << 23) - offset + delta) * ulp], dtype=torch.float32))
-            ws.append(torch.full((base.numel() + 1,), r << shift, dtype=torch.int64))
+            word = r << shift if moment == "m" else _v4_word(r)
+            ws.append(torch.full((base.numel() + 1,), word, dtype=torch.int64))
     y, w = torch.cat(ys), torch.cat(ws)
     x = _blocks4_led_by_one(y, signs=moment == "m")
     bits = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), b]) for b in w.split(127)])
@@ -485,7 +505,7 @@ def test_4bit_special_blocks_and_tail(moment, words, tail):
     x = torch.cat(
         [x, torch.rand(tail, generator=gen) * (torch.randn(tail, generator=gen).sign() if moment == "m" else 1)]
     )
-    _check_encode4(*_both(moment, x), _words(x.numel(), words, moment), even=tail == 0)
+    _check_encode4(*_both(moment, x), _words4(x.numel(), words, moment), even=tail == 0)
 
 
 SCALES4 = SCALES + [2.0**120, 2.0**121, 3.3e38 / 2]
@@ -498,14 +518,15 @@ def test_4bit_decode_every_byte(words):
     k = len(SCALES4)
     codes = torch.stack([torch.randperm(256, generator=gen) for _ in range(k)]).to(torch.uint8).reshape(-1)
     ms = torch.tensor([SCALES4[i % k] for i in range(2 * k)], dtype=torch.float32).to(torch.bfloat16)
-    vs = torch.tensor([SCALES4[(i + 3) % k] for i in range(2 * k)], dtype=torch.float32).to(torch.bfloat16)
+    vs = torch.tensor([SCALES4[(i + 3) % k] for i in range(2 * k)], dtype=torch.float32)  # fp32: version 2
+    vs[1] = 0.999  # not a bf16 value
     want_m, want_v = ref.dequantize_mv4(codes, ms, vs)
     m = torch.empty(codes.numel(), dtype=torch.float32, device=DEVICE)
     v = torch.empty_like(m)
     _decode4_kernel[(k,)](
         codes.to(DEVICE),
         ms.view(torch.int16).to(DEVICE),
-        vs.view(torch.int16).to(DEVICE),
+        vs.view(torch.int32).to(DEVICE),
         m,
         v,
         WORDS=words,

@@ -534,7 +534,7 @@ def _encode_chunk4(m, v, key):
     n = m.numel()
     sc = torch_passes.Scratch(torch.device("cpu"), n)
     b = sc.upto(n, reference.BLOCK4)
-    torch_passes.hash_into(b, sc.c, [(0, 0, n, 0, True)], [key], top=False)
+    torch_passes.hash_into(b, sc.c, [(0, 0, n, 0, True)], [key], top=True)  # 4-bit v reads bits 16-21 too
     b.m.copy_(m)
     b.v.copy_(v)
     torch_passes.sign_and_abs(b, sc.c)
@@ -542,7 +542,7 @@ def _encode_chunk4(m, v, key):
     got = [
         torch.empty(n, dtype=torch.uint8),
         torch.empty(nb, dtype=torch.bfloat16),
-        torch.empty(nb, dtype=torch.bfloat16),
+        torch.empty(nb, dtype=torch.float32),  # format version 2: the exact v absmax
     ]
     path = torch_passes.block_scales(b, sc.c, got[1], got[2], four_bit=True)
     if path != "ref":
