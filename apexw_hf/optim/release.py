@@ -12,15 +12,16 @@ backward pass, records the step's gradient norm and checks that nothing was left
 
 Gradient norm and clipping. The global norm of the gradients is only known at the end of backward, after most
 tensors have been updated. With ``max_grad_norm`` set, the gradients of each bucket are multiplied by
-``min(1, max_grad_norm / (N + 1e-6))`` before its update, where ``N`` is the larger of
-
-* the global norm of the previous step's gradients, and
-* the norm of this step's gradients released so far, this bucket included (a lower bound of this step's norm),
-
-so a gradient spike is clipped in the bucket where it appears and in every later one, and steady training is clipped
-like exact clipping with a one-step lag. The true pre-clip global norm of the step is recorded
-(:attr:`ApexW.grad_norm`), returned by Accelerate's ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and
-saved in the state dict (a resumed run clips exactly as an unbroken one).
+``min(1, max_grad_norm / (N + 1e-6))`` before its update, where ``N`` estimates this step's global norm from what has
+been released so far: buckets come in the same order every step, so with ``S`` the sum of squares released so far in
+this step (this bucket included) and ``S'`` / ``T'`` the same sum at the same bucket / the total of the previous step,
+``N = sqrt(S * T' / S')`` (never below ``sqrt(S)``, a lower bound of the step's norm). It is exact when the buckets'
+shares of the squared norm are those of the previous step, whatever the overall scale, so a step whose gradients
+shrink or grow as a whole is clipped as exact clipping would; a spike in one tensor is clipped from its bucket on.
+The first step, or a step whose buckets differ from the previous one's, uses ``N = max(sqrt(S), previous norm)``.
+The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
+``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
+partial sums (a resumed run clips exactly as an unbroken one).
 
 What needs every gradient at once, and what happens to it here:
 
@@ -80,6 +81,8 @@ class GradientRelease:
         self._stepped: set[int] = set()
         self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
         self.prev_norm: torch.Tensor | None = None  # the last finished step's global norm (for clipping)
+        self._cum: list[torch.Tensor] = []  # this step's sum of squares after each bucket
+        self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
         self.grad_norm: torch.Tensor | None = None  # the same, as reported
         self.flushes = 0  # bucket launches since construction (a diagnostic)
 
@@ -193,11 +196,20 @@ class GradientRelease:
             self._sumsq = sq
         else:
             self._sumsq = self._sumsq + sq.to(self._sumsq.device, non_blocking=True)
+        self._cum.append(self._sumsq)
         if self.max_grad_norm is None:
             return None
-        norm = self._sumsq.sqrt()
-        if self.prev_norm is not None:
-            norm = torch.maximum(norm, self.prev_norm.to(norm.device, non_blocking=True))
+        k = len(self._cum) - 1
+        if self.prev_norm is not None and k < len(self._prev_cum):
+            # this step's norm, estimated from its released part and the previous step's share of that part
+            prev_total = self.prev_norm.to(self._sumsq.device).square()
+            share = self._prev_cum[k].to(self._sumsq.device) / prev_total
+            estimate = torch.where(share > 0, self._sumsq / share, self._sumsq)
+            norm = torch.maximum(estimate, self._sumsq).sqrt()
+        else:
+            norm = self._sumsq.sqrt()
+            if self.prev_norm is not None:
+                norm = torch.maximum(norm, self.prev_norm.to(norm.device, non_blocking=True))
         coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         # A non-finite norm (inf/NaN gradient in this bucket or an earlier one): later buckets get a zero gradient.
         coef = torch.nan_to_num(coef, nan=0.0)
@@ -231,24 +243,30 @@ class GradientRelease:
         if self._sumsq is not None:
             self.grad_norm = self._sumsq.sqrt()
             self.prev_norm = self.grad_norm
+            self._prev_cum = self._cum
         self._sumsq = None
+        self._cum = []
         self._stepped = set()
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
         norm = None if self.prev_norm is None else float(self.prev_norm)
-        return {"prev_grad_norm": norm}
+        return {"prev_grad_norm": norm, "prev_partial_sumsq": [float(c) for c in self._prev_cum]}
 
     def load(self, saved: dict | None, device: torch.device | None) -> None:
         norm = (saved or {}).get("prev_grad_norm")
         if norm is not None and not isinstance(norm, (int, float)):
             raise ValueError(f"gradient_release state: prev_grad_norm must be a float or None, got {norm!r}")
+        partial = (saved or {}).get("prev_partial_sumsq", [])
+        if not isinstance(partial, (list, tuple)) or not all(isinstance(x, (int, float)) for x in partial):
+            raise ValueError(f"gradient_release state: prev_partial_sumsq must be a list of floats, got {partial!r}")
         if norm is None:
             self.prev_norm = self.grad_norm = None
         else:
             t = torch.tensor(float(norm), dtype=torch.float32, device=device)
             self.prev_norm = self.grad_norm = t
+        self._prev_cum = [torch.tensor(float(x), dtype=torch.float32, device=device) for x in partial]
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
