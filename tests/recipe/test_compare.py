@@ -102,7 +102,8 @@ def test_plan_alternates_order_and_interleaves_devices():
 
 def test_single_run_with_apexw_4bit_from_the_command_line(tmp_path):
     """`python -m apexw_hf.recipe.finetune --optim apexw_4bit`: ApexW4bit trains the LoRA adapters, and the result
-    JSON carries its label and its exact state bytes (one byte per element, two bf16 scales per 128, a step each)."""
+    JSON carries its label and its exact state bytes (format version 2: one byte per element, a bf16 m scale and an
+    fp32 v scale per 128, a step each)."""
     out = tmp_path / "one"
     cmd = [
         sys.executable, "-m", "apexw_hf.recipe.finetune", "--config", "offline_default", "--optim", "apexw_4bit",
@@ -120,4 +121,4 @@ def test_single_run_with_apexw_4bit_from_the_command_line(tmp_path):
     dims = [(128, 128), (128, 64), (128, 64), (128, 128), (128, 352), (128, 352), (352, 128)]
     sizes = [n for _ in range(2) for fan_in, fan_out in dims for n in (16 * fan_in, 16 * fan_out)]
     assert sum(sizes) == r["trainable_params"]
-    assert r["optimizer_state_bytes"] == sum(n + 2 * 2 * -(-n // 128) + 4 for n in sizes)
+    assert r["optimizer_state_bytes"] == sum(n + (2 + 4) * -(-n // 128) + 4 for n in sizes)
