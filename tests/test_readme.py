@@ -32,3 +32,15 @@ def test_readme_tables_are_generated_and_current():
     for marker in ("ff-readme", "readme-speed", "fits-table"):
         assert f"<!-- {marker} -->" in text and f"<!-- /{marker} -->" in text
     assert "![" in text and "docs/readme_gains.png" in text and (README.parent / "docs" / "readme_gains.png").is_file()
+
+
+def test_fits_tables_are_generated_from_stored_runs_and_current():
+    """README's and docs/full_finetune.md's "what fits where" tables come from the stored H200 runs."""
+    import subprocess
+    import sys
+
+    script = README.parent / "scripts" / "make_fits_table.py"
+    proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    block = README.read_text().split("<!-- fits-table -->")[1].split("<!-- /fits-table -->")[0]
+    assert "Llama-3.1-8B" in block and "`apexw_4bit_release`" in block

@@ -1,0 +1,116 @@
+"""The "what fits where" tables of README.md and docs/full_finetune.md, from stored H200 runs.
+
+Reads every ``*.json`` run of ``scripts/bench_full_finetune_memory.py`` under
+``docs/results/gradient_release_h200/memory_*`` and writes two tables between ``<!-- fits-table -->`` and
+``<!-- /fits-table -->`` markers: a short one for the README (the headline cells) and a full one for
+docs/full_finetune.md (every cell, allocated and reserved GiB, s/step, state, the run's commit).
+
+    python scripts/make_fits_table.py [--check]   # --check: exit 1 if the files are not up to date
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "docs" / "results" / "gradient_release_h200"
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_full_finetune_memory import CONTEXT_GIB, GPU_SIZES_GB, fits  # noqa: E402
+
+SHAPE_NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B"}
+LABELS = {
+    "torch_fused@fp32": "torch AdamW (fused), fp32 master weights",
+    "torch_fused@bf16": "torch AdamW (fused), bf16 model",
+    "bnb_8bit@bf16": "bitsandbytes AdamW8bit, bf16 model",
+    "torchao_8bit@bf16": "torchao AdamW8bit, bf16 model, stochastic rounding",
+    "torchao_4bit@bf16": "torchao AdamW4bit, bf16 model, stochastic rounding",
+    "apexw_8bit@bf16": "`apexw_8bit`",
+    "apexw_4bit@bf16": "`apexw_4bit`",
+    "apexw_8bit+liger@bf16": "`apexw_8bit` + Liger cross-entropy",
+    "apexw_4bit+liger@bf16": "`apexw_4bit` + Liger cross-entropy",
+    "apexw_8bit_release@bf16": "`apexw_8bit_release`",
+    "apexw_4bit_release@bf16": "`apexw_4bit_release`",
+    "apexw_8bit_release+liger@bf16": "`apexw_8bit_release` + Liger cross-entropy",
+    "apexw_4bit_release+liger@bf16": "`apexw_4bit_release` + Liger cross-entropy",
+}
+README_CELLS = ("torch_fused@fp32", "bnb_8bit@bf16", "apexw_8bit_release+liger@bf16", "apexw_4bit_release+liger@bf16")
+
+
+def load_runs() -> dict[tuple[str, str], dict]:
+    runs = {}
+    for path in sorted(RUNS.glob("memory_*/*.json")):
+        row = json.loads(path.read_text())
+        row["source"] = path.parent.name
+        runs[(row["shape"], row["cell"])] = row
+    return runs
+
+
+def _fits(row: dict) -> str:
+    ok = fits(row["peak_reserved_gib"])
+    return "-" if ok == "-" else ", ".join(f"{s} GB" for s in ok.split(","))
+
+
+def full_table(runs: dict) -> str:
+    lines = [
+        "| shape | optimizer | peak allocated GiB | peak reserved GiB | s/step | optimizer state MiB | gradients alive at "
+        "the step | fits | run |",
+        "|---|---|---:|---:|---:|---:|---:|---|---|",
+    ]
+    order = list(LABELS)
+    for (shape, cell), r in sorted(runs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
+        lines.append(
+            f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} | "
+            f"{r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | {r['grads_alive_before_step']} | {_fits(r)} | "
+            f"[{r['commit']}](results/gradient_release_h200/{r['source']}) |"
+        )
+    return "\n".join(lines)
+
+
+def readme_table(runs: dict) -> str:
+    shapes = [s for s in SHAPE_NAMES if any((s, c) in runs for c in README_CELLS)]
+    lines = ["| optimizer | " + " | ".join(SHAPE_NAMES[s] for s in shapes) + " |", "|---|" + "---:|" * len(shapes)]
+    for cell in README_CELLS:
+        cells = []
+        for s in shapes:
+            r = runs.get((s, cell))
+            cells.append("-" if r is None else f"{r['peak_allocated_gib']:.1f} GiB ({_fits(r).split(',')[0]})")
+        lines.append(f"| {LABELS[cell]} | " + " | ".join(cells) + " |")
+    note = (
+        "\nPeak GPU memory allocated through the Hugging Face Trainer, seq 1024 x batch 4, gradient checkpointing, "
+        "random weights of each model's shape, one H200; in brackets the smallest of "
+        f"{', '.join(map(str, GPU_SIZES_GB))} GB that holds the peak reserved memory plus {CONTEXT_GIB} GiB for the "
+        "CUDA context. Every cell, speeds and the method: [docs/full_finetune.md](docs/full_finetune.md#what-fits-where)."
+    )
+    return "\n".join(lines) + "\n" + note
+
+
+def _replace(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- {name} -->", f"<!-- /{name} -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    return text[:i] + "\n" + body + "\n" + text[j:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true")
+    args = ap.parse_args()
+    runs = load_runs()
+    stale = []
+    for path, body in ((ROOT / "README.md", readme_table(runs)), (ROOT / "docs" / "full_finetune.md", full_table(runs))):
+        old = path.read_text()
+        new = _replace(old, "fits-table", body)
+        if new != old:
+            stale.append(path.name)
+            if not args.check:
+                path.write_text(new)
+    if args.check and stale:
+        print(f"out of date: {', '.join(stale)}; run python scripts/make_fits_table.py")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
