@@ -217,6 +217,9 @@ class TrainConfig:
     weight_decay: float = 0.001
     lr_scheduler_type: str = "linear"
     max_grad_norm: float = 1.0
+    # Liger-Kernel's fused linear cross-entropy (TrainingArguments.use_liger_kernel; pip install liger-kernel, GPU):
+    # the logits are never materialized, the peak of large-vocabulary full fine-tunes
+    use_liger_kernel: bool = False
     precision: str = "auto"  # auto: bf16 where supported, else fp16 on CUDA, fp32 on the CPU
     logging_steps: int = 1
     final_loss_window: int = 10  # "final train loss" = mean of the last this many logged losses

@@ -157,6 +157,7 @@ def build_training_arguments(cfg: RecipeConfig, out_dir: str | Path, precision: 
             weight_decay=t.weight_decay,
             lr_scheduler_type=t.lr_scheduler_type,
             max_grad_norm=t.max_grad_norm,
+            use_liger_kernel=t.use_liger_kernel,
             seed=t.seed,
             data_seed=t.seed,
             report_to="none",
@@ -293,8 +294,10 @@ def check_trainable_dtypes(model, param_dtype: str, backend: str) -> dict | None
 
 def training_memory(model: Any, opt: Any) -> dict[str, Any]:
     """Bytes of what training keeps per trainable parameter: the parameters, their gradients (same dtype as the
-    parameter in PyTorch) and the optimizer state, each counted once (tied weights once)."""
+    parameter in PyTorch; none with ApexW's gradient release, which frees each one in backward) and the optimizer
+    state, each counted once (tied weights once)."""
     import apexw_hf
+    from apexw_hf.accounting import unwrap_optimizer
 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
@@ -302,12 +305,15 @@ def training_memory(model: Any, opt: Any) -> dict[str, Any]:
     param_b = sum(p.numel() * p.element_size() for p in trainable)
     state_b = int(apexw_hf.optimizer_state_bytes(opt))
     dtypes = sorted({str(p.dtype).replace("torch.", "") for p in trainable})
+    release = bool(getattr(unwrap_optimizer(opt), "gradient_release", False))
+    grad_b = 0 if release else param_b
     return {
         "total_params": sum(p.numel() for p in params),
         "trainable_param_dtypes": dtypes,
         "trainable_param_bytes": param_b,
-        "grad_bytes": param_b,
-        "train_bytes_per_param": (2 * param_b + state_b) / max(1, n_train),
+        "gradient_release": release,
+        "grad_bytes": grad_b,
+        "train_bytes_per_param": (param_b + grad_b + state_b) / max(1, n_train),
     }
 
 
@@ -389,7 +395,8 @@ def run_finetune(
     result["optimizer_class"] = _check_optimizer_class(t.optim, real_opt)
     result["optimizer_state_bytes"] = int(apexw_hf.optimizer_state_bytes(opt))
     result["optimizer_state_mib"] = result["optimizer_state_bytes"] / 2**20
-    result.update(training_memory(model, real_opt))
+    mem = training_memory(model, real_opt)
+    result.update(mem)
     norms = check_trainable_dtypes(model, result["param_dtype"], t.backend)
     if norms is not None:
         result["fp32_norm_params"] = norms
@@ -420,7 +427,9 @@ def run_finetune(
             "train_runtime_s": metrics.get("train_runtime"),
             "steps_per_s": metrics.get("train_steps_per_second"),
             "steps_per_s_steady": _steady_steps_per_s(timer.times),
-            "optimizer_step_ms": timer.optimizer_step_ms(),
+            # with gradient release the update runs inside backward: step() only closes the step, so its time would
+            # not be the optimizer's (the update's time is in steps/s)
+            "optimizer_step_ms": None if mem.get("gradient_release") else timer.optimizer_step_ms(),
             "train_loss_mean": metrics.get("train_loss"),
             "initial_train_loss": losses[0][1],
             "final_train_loss": sum(window) / len(window),

@@ -33,7 +33,12 @@ def test_offline_full_plan_has_every_dtype_and_the_sweeps():
     gpu = load_config(str(ROOT / "configs/llama32_1b_full_h200.yaml"))
     assert gpu.train.max_steps >= 1000 and gpu.model.gradient_checkpointing and gpu.model.build["vocab_size"] == 128256
     names = {o.replace("adamw_torch_fused", "adamw_torch") for o in gpu.compare.optimizers}
-    assert set(cfg.compare.optimizers) <= names and len(names) == 7
+    assert set(cfg.compare.optimizers) <= names and len(names) == 9
+    assert {"apexw_8bit_release@bf16", "apexw_4bit_release@bf16"} <= names
+    for big in ("llama32_3b_full_h200", "llama31_8b_full_h200"):  # gradient release + Liger, vs torch @fp32
+        c = load_config(str(ROOT / "configs" / f"{big}.yaml"))
+        assert c.train.use_liger_kernel and c.train.gradient_accumulation_steps == 1
+        assert c.compare.baseline == "adamw_torch_fused@fp32" and c.model.build["vocab_size"] == 128256
 
 
 def test_docs_tables_are_generated_from_the_stored_results():
@@ -246,3 +251,17 @@ def test_tiny_full_grid_end_to_end(tmp_path):
     proc = subprocess.run(cmd + ["--report-only"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "summary.md").read_text() == md
+
+
+def test_training_memory_counts_no_gradients_under_gradient_release():
+    import torch
+
+    from apexw_hf import ApexW8bit
+    from apexw_hf.recipe.finetune import training_memory
+
+    model = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    kept = training_memory(model, ApexW8bit(model.parameters()))
+    released = training_memory(model, ApexW8bit(model.parameters(), gradient_release=True))
+    n = sum(p.numel() for p in model.parameters())
+    assert kept["grad_bytes"] == 2 * n and released["grad_bytes"] == 0 and released["gradient_release"]
+    assert kept["train_bytes_per_param"] - released["train_bytes_per_param"] == 2.0
