@@ -1,0 +1,170 @@
+"""Gradient release under FSDP2 (hooks on the local shards, after the reduce-scatter) and its refusal under DDP.
+
+Two gloo ranks on CPU, the machinery of test_fsdp_ddp.py (``workers``). One spawn per test, every format inside it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from apexw_hf import ApexW
+
+from . import workers as w
+from .test_fsdp_ddp import _spawn
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
+
+FORMATS = ("fp32", "compact", "8bit", "4bit")
+BUCKETS = (100, 10**9)  # the second: one bucket per backward
+BUCKET = 100  # local gradient elements per launch: the larger tensors of each FSDP group go in buckets of their own
+
+
+def _global_norm(grads):
+    """The L2 norm of sharded gradients, each rank's squares summed in fp64 and all-reduced over the mesh."""
+    sq = sum(g.to_local().double().square().sum() for g in grads)
+    dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Two parameters' optimizer states hold the same keys and the same bits (local shards of DTensors)."""
+    if sorted(a) != sorted(b):
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor):
+            x, y = (x.to_local(), y.to_local()) if hasattr(x, "to_local") else (x, y)
+            if not torch.equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _loss(model, x, y):
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _release_vs_step(world, fmt, data):
+    plain, released = w.sharded(world), w.sharded(world)
+    opt_a = ApexW(plain.parameters(), lr=3e-3, state_format=fmt, seed=3)
+    opt_b = ApexW(
+        released.parameters(), lr=3e-3, state_format=fmt, seed=3, gradient_release=True, release_bucket_size=BUCKET
+    )
+    grads_freed, norms_a, norms_b = True, [], []
+    for x, y in data:
+        _loss(plain, x, y).backward()
+        norms_a.append(_global_norm([p.grad for p in plain.parameters()]))
+        opt_a.step()
+        opt_a.zero_grad()
+        _loss(released, x, y).backward()
+        grads_freed &= all(p.grad is None for p in released.parameters())
+        norms_b.append(float(opt_b.grad_norm))
+        opt_b.step()
+        opt_b.zero_grad()
+    return {
+        "params_equal": all(torch.equal(a, b) for a, b in zip(w.gathered_params(plain), w.gathered_params(released))),
+        "state_equal": all(
+            _same(opt_a.state[pa], opt_b.state[pb]) for pa, pb in zip(plain.parameters(), released.parameters())
+        ),
+        "grads_freed": grads_freed,
+        "flushes": opt_b._release.flushes,
+        "norms_a": norms_a,
+        "norms_b": norms_b,
+    }
+
+
+def _clipped_norms(world, bucket, data):
+    model, probe = w.sharded(world), w.sharded(world)
+    opt = ApexW(
+        model.parameters(),
+        lr=3e-3,
+        state_format="8bit",
+        gradient_release=True,
+        max_grad_norm=0.05,
+        release_bucket_size=bucket,
+    )
+    true_norms, logged, local_shards_differ, grads_freed = [], [], False, True
+    for x, y in data:
+        # the true pre-clip gradients of this step: the same parameters on a second model, ordinary backward
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), probe.parameters()):
+                q.to_local().copy_(p.to_local())
+        _loss(probe, x, y).backward()
+        true_norms.append(_global_norm([q.grad for q in probe.parameters()]))
+        local_shards_differ |= any(
+            not torch.equal(q.grad.to_local().square().sum(), q.grad.full_tensor().square().sum())
+            for q in probe.parameters()
+        )
+        probe.zero_grad(set_to_none=True)
+        _loss(model, x, y).backward()
+        grads_freed &= all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        logged.append(float(opt.grad_norm))
+    return {"true": true_norms, "logged": logged, "sharded": local_shards_differ, "grads_freed": grads_freed}
+
+
+def _fsdp_release(rank, world, store, out):
+    w.init(rank, world, store)
+    data = w.batches(4, rank, world)
+    result = {fmt: _release_vs_step(world, fmt, data) for fmt in FORMATS}
+    for bucket in BUCKETS:
+        result[f"clip_{bucket}"] = _clipped_norms(world, bucket, data)
+    w.save_result(out, rank, result)
+    w.finish()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    return _spawn(_fsdp_release, 2)  # one spawn for the tests below: starting the ranks costs seconds
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp2_release_is_bit_identical_to_step(fsdp_results, fmt):
+    """The same parameters and state as ordinary steps, no gradient left after backward, several buckets per
+    backward, and the recorded norm is the global one (the same on both ranks)."""
+    for r in fsdp_results:
+        res = r[fmt]
+        assert res["params_equal"] and res["state_equal"]
+        assert res["grads_freed"]
+        assert res["flushes"] >= 4 * 3, res["flushes"]  # several buckets in each of the 4 steps
+        assert res["norms_b"] == pytest.approx(res["norms_a"], rel=1e-6)
+    assert fsdp_results[0][fmt]["norms_b"] == fsdp_results[1][fmt]["norms_b"]
+
+
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["buckets", "one_bucket"])
+def test_fsdp2_release_with_clipping_records_the_global_norm(fsdp_results, bucket):
+    """max_grad_norm under FSDP2: ``grad_norm`` is the pre-clip norm of all shards (all-reduced), equal on the ranks,
+    with every bucket clipped (0.05 is below every step's norm)."""
+    for r in fsdp_results:
+        res = r[f"clip_{bucket}"]
+        assert res["sharded"], "the local shards' norms equal the full ones: the test would not see a missing reduce"
+        assert res["grads_freed"]
+        assert min(res["true"]) > 0.05
+        assert res["logged"] == pytest.approx(res["true"], rel=1e-5)
+    assert fsdp_results[0][f"clip_{bucket}"]["logged"] == fsdp_results[1][f"clip_{bucket}"]["logged"]
+
+
+def _ddp_release(rank, world, store, out):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    w.init(rank, world, store)
+    model = DDP(w.make_model())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = ApexW(model.parameters(), lr=3e-3, state_format="8bit", gradient_release=True)
+    x, y = w.batches(1, rank, world)[0]
+    error = None
+    try:
+        _loss(model, x, y).backward()
+    except RuntimeError as e:
+        error = str(e)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    w.save_result(out, rank, {"error": error, "unchanged": unchanged, "state": len(opt.state)})
+    w.finish()
+
+
+def test_ddp_with_release_is_refused_before_any_update():
+    for r in _spawn(_ddp_release, 2):
+        assert r["error"] is not None and "DDP" in r["error"] and "FSDP2" in r["error"], r["error"]
+        assert r["unchanged"] and r["state"] == 0
