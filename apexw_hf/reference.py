@@ -39,12 +39,14 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   ``2**(c - 7)``, so 2**-6 .. 1, and code 0 is zero) with the ``8bit`` scale (absmax rounded up to bf16); ``v`` is
   e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for zero) of the block's exact fp32 absmax:
   the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer work, so
-  zero stays zero, a nonzero ``v`` never decodes to zero, and both round unbiased. The exact ``v`` scale is what
-  version 2 adds: a block whose ``v`` decays keeps its codes while its scale decays by ``beta2`` in fp32, where
-  version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a whole binade at random, a random
-  walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at ``beta2 = 0.999``; issue 27,
-  ``scripts/four_bit_v2_walk.py``). ``v`` rounds with 16 random bits (:func:`v4_rand_offset`), so an element whose
-  block maximum is held by another one still decays at any ``beta2 <= 1 - 2**-17``.
+  zero stays zero and a nonzero ``v`` never decodes to zero; ``m`` rounds unbiased, ``v`` unbiased in ``log2(v)``
+  (:func:`v4_log_warp`: the update divides by ``sqrt(v)``, and rounding unbiased in ``v`` made it 11% too large).
+  The exact ``v`` scale is what version 2 adds first: a block whose ``v`` decays keeps its codes while its scale
+  decays by ``beta2`` in fp32, where version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a
+  whole binade at random, a random walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at
+  ``beta2 = 0.999``; issue 27, ``scripts/four_bit_v2_walk.py``). ``v`` rounds with 16 random bits
+  (:func:`v4_rand_offset`), so an element whose block maximum is held by another one still decays at any
+  ``beta2 <= 1 - 2**-17`` (such an element's ``log2(v)`` still walks: a limit of one code per binade).
   The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
   and lets a kernel read and write both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers
   with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
@@ -98,6 +100,7 @@ __all__ = [
     "quantize_mv4",
     "quantize_mv4_v1",
     "v4_rand_offset",
+    "v4_log_warp",
     "dequantize_mv4",
     "param_stream",
     "load_moments",
@@ -314,6 +317,9 @@ M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
 M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
 V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
 V4_RAND_BITS = 16  # 4-bit v (version 2): bits 0-9 and 16-21 of the word, see v4_rand_offset
+# 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
+# v4_log_warp
+V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
 
 
 def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:
@@ -414,6 +420,27 @@ def v4_rand_offset(bits: torch.Tensor) -> torch.Tensor:
     return (r << (23 - V4_RAND_BITS)) | (1 << (22 - V4_RAND_BITS))
 
 
+def v4_log_warp(y: torch.Tensor) -> torch.Tensor:
+    """Map each non-negative fp32 ``y`` within its binade so that stochastic rounding of the result between the two
+    powers of two around it is unbiased in ``log2(y)`` (to a quadratic's accuracy), not in ``y``: with ``y = 2**e * (1
+    + f)``, the result is ``2**e * (1 + f * (A + f * (B + C * f)))`` with ``A, B, C = 1477, -621, 168 / 1024``, in
+    fp32, one IEEE operation at a time: a cubic of ``log2(1 + f)`` exact at ``f = 0`` and 1, within 0.006 between,
+    with the slopes of ``log2`` at both ends (within 0.3%: the rates at which a ``v`` just below or above a code
+    leaves it, hence the rate of decay). Powers of two (the codes) and 0 stay.
+
+    Why: rounding unbiased in ``v`` leaves ``E[1/sqrt(v)]`` too large by Jensen's inequality (the update 11% too
+    large after a burst of large gradients, whose rounding noise the codes then keep), rounding unbiased in
+    ``1/sqrt(v)`` inflates ``v``'s average instead (5% too small); unbiased in ``log2(v)`` sits between (2-3% too
+    small, ``tests/optim/test_update_scale.py``). Integer work on the bits: the exponent field is kept, the mantissa
+    replaced, so it commutes with scaling by powers of two and maps subnormals to subnormals (> 0 stays > 0).
+    """
+    bits = y.view(torch.int32).to(torch.int64)
+    f = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32) - 1.0
+    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    out = (bits & 0x7F800000) + (w.view(torch.int32).to(torch.int64) - 0x3F800000)
+    return out.to(torch.int32).view(torch.float32)
+
+
 def _quantize_m4(m: torch.Tensor, rb: torch.Tensor):
     mb = _blocks(m, BLOCK4)
     a = mb.abs()
@@ -433,6 +460,9 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     event, so no random walk of ``log2(v)`` (version 1's bf16 scale, rounded up, cannot follow a 0.1% decay, and
     every code then moved by whole binades at random).
 
+    ``v`` rounds stochastically in the log domain (:func:`v4_log_warp`), so that its code's error in ``1/sqrt(v)``,
+    what the update divides by, is nearly unbiased.
+
     ``bits``: the 32-bit random word per element; bits 10-15 round ``m`` (as in ``8bit``), bits 0-9 and 16-21 round
     ``v`` (:func:`v4_rand_offset`).
     """
@@ -441,7 +471,7 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     cm, sm = _quantize_m4(m, rb)
     vb = _blocks(v, BLOCK4)
     sv, inv = _scale_exact(vb)
-    y = _normalized(vb, inv)
+    y = v4_log_warp(_normalized(vb, inv))
     cv = minifloat_code(y, v4_rand_offset(rb), 0, BIAS)
     cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)
     mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)

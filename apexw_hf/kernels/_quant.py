@@ -52,6 +52,7 @@ M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
 # 4-bit v (version 2): bits 0-9 of the word to bits 13-22, bits 16-21 to bits 7-12, half a unit at bit 6.
 V4_HI_MASK, V4_LO_MASK, V4_HALF = tl.constexpr(0x3FF << 13), tl.constexpr(0x3F << 7), tl.constexpr(1 << 6)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
+V4_LOG_A, V4_LOG_B, V4_LOG_C = tl.constexpr(1477 / 1024), tl.constexpr(-621 / 1024), tl.constexpr(168 / 1024)
 
 
 @triton.jit
@@ -258,10 +259,21 @@ def dequant_mv4_words(w, m_scale_bits, v_scale):
 
 
 @triton.jit
+def v4_log_warp(y):
+    """``reference.v4_log_warp`` of fp32 ``y >= 0``: the exponent field kept, the mantissa ``f`` replaced by that of
+    ``1 + f * (A + f * (B + C * f))`` (launched without fp fusion, so each operation rounds as the reference's)."""
+    b = f32_bits(y)
+    f = ((b & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True) - 1.0
+    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    return ((b & 0x7F800000) + (f32_bits(w) - 0x3F800000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R] (bf16), v scale bits [2 * R]
     (fp32)): scales of 128-element blocks; bits 10-15 of the 32 random ``bits`` round ``m``, bits 0-9 and 16-21 round
-    ``v``, nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 2). ``one``: [2 * R, 1], as in
+    ``v`` (in the log domain, :func:`v4_log_warp`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``,
+    format version 2). ``one``: [2 * R, 1], as in
     :func:`quant_m`. ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
 
     See the module docstring: the ``m`` code lands in bits 28-30 of ``xm``, the ``v`` code in bits 0-3 of ``cv``, and
@@ -281,7 +293,7 @@ def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     w = bits << W4_SHIFT
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + ((w & M4_RAND_MASK) | (one * M4_HALF))
     rv = ((bits << 13) & V4_HI_MASK) | ((bits >> 9) & V4_LO_MASK) | (one * V4_HALF)
-    cv = (f32_bits(yv * TWO_POW_M112) + rv) >> 23
+    cv = (f32_bits(v4_log_warp(yv) * TWO_POW_M112) + rv) >> 23
     cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)

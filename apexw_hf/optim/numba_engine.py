@@ -112,6 +112,8 @@ M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
 M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
 V4_LO_MASK, S7 = u32(63), u32(7)
 F32_NAN_BITS = u32(0x7FC00000)
+V4_LOG_A, V4_LOG_B, V4_LOG_C = f32(ref.V4_LOG_A), f32(ref.V4_LOG_B), f32(ref.V4_LOG_C)
+EXP_MASK, MANT_MASK, ONE_F32_BITS = u32(0x7F800000), u32(0x7FFFFF), u32(0x3F800000)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
 
@@ -149,6 +151,15 @@ def inverse_f32(scale_bits):
     if s == F_ZERO:
         return F_ZERO
     return F_ONE / s
+
+
+@njit(inline="always")
+def log_warp(y):
+    """``reference.v4_log_warp`` of one fp32 ``y >= 0``."""
+    b = f32_bits(y)
+    f = bits_f32((b & MANT_MASK) | ONE_F32_BITS) - F_ONE
+    w = F_ONE + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    return bits_f32(u32((b & EXP_MASK) + u32(f32_bits(w) - ONE_F32_BITS)))
 
 
 @njit(inline="always")
@@ -339,7 +350,7 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
                 cm = u32(u32(x + r) >> S23) - M4_OFF
                 cm = cm | SIGN3 if m < F_ZERO else cm
                 v = vbuf[j]
-                x = code_bits(normalized(v, inv_v), MIN_NORMAL)
+                x = code_bits(log_warp(normalized(v, inv_v)), MIN_NORMAL)
                 r = ((w & V_RMASK) << S13) | (((w >> S16) & V4_LO_MASK) << S7) | V4_HALF
                 cv = u32(u32(x + r) >> S23) - V4_OFF
                 cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv

@@ -120,6 +120,9 @@ class Consts:
         self.half4_col = col([M4_RAND_HALF, V4_RAND_HALF], torch.int32)
         self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
         self.v4_lo_down, self.v4_lo_mask = i(V4_LO_DOWN), i(V4_LO_MASK)
+        # reference.v4_log_warp
+        self.exp_mask, self.mant_mask, self.one_bits = i(0x7F800000), i(0x7FFFFF), i(0x3F800000)
+        self.log_a, self.log_b, self.log_c = f(ref.V4_LOG_A), f(ref.V4_LOG_B), f(ref.V4_LOG_C)
         # 4-bit decoding: the byte in both rows, m's nibble to bits 12-15 and v's to 12-15, then an arithmetic shift
         # by 2 puts each code in the fp16 exponent (m's sign also lands on bits 13-15: kept in 15, cleared in 13-14)
         self.dec4_shift_col = col([12, 8], torch.int16)
@@ -466,6 +469,20 @@ def decode_4bit(b: Buffers, c: Consts, codes, m_scale, v_scale, scales2=None) ->
     b.mv_b.mul_(b.sdec_col)
 
 
+def log_warp_(b: Buffers, c: Consts, x: torch.Tensor) -> None:
+    """``reference.v4_log_warp`` of the non-negative fp32 ``x`` (``b.n`` elements), in place."""
+    e = b.typed("warp_e", torch.int32)
+    f = b.typed("warp_f", torch.float32)
+    xi = x.view(torch.int32)
+    torch.bitwise_and(xi, c.exp_mask, out=e)
+    fi = f.view(torch.int32)
+    torch.bitwise_and(xi, c.mant_mask, out=fi).bitwise_or_(c.one_bits)
+    f.sub_(c.one)  # f, exactly
+    torch.mul(f, c.log_c, out=x)  # C * f (x is free now: its bits are in e and f)
+    x.add_(c.log_b).mul_(f).add_(c.log_a).mul_(f).add_(c.one)  # 1 + f * (A + f * (B + C * f)), each op rounded
+    xi.sub_(c.one_bits).add_(e)
+
+
 def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
     """``reference.quantize_mv4`` codes of ``b.m`` and ``b.v`` (``b.m`` holding ``|m|`` and ``b.a`` the sign of m,
     1.0 where ``m < 0``) into the uint8 tensor ``codes_out``, with the factors of :func:`block_scales` (``four_bit``)
@@ -481,6 +498,7 @@ def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
         b.mv2.mul_(c.k4_col)
     else:
         b.mv_b.mul_(b.fac_col)  # y * 2**k
+    log_warp_(b, c, b.v)  # v rounds in the log domain; the warp keeps exponents, so it commutes with the 2**k
     if some_zero:  # as for 8-bit: max(y, fl(y + min normal) / 2) * 2**k
         torch.add(c.add4_col, b.mv2, alpha=0.5, out=b.u2)
         torch.maximum(b.mv, b.u, out=b.mv)
