@@ -5,6 +5,17 @@ Values (added to the Trainer's training logs):
 * ``optimizer_state_mib``: bytes of every tensor in ``optimizer.state`` / 2**20
   (:func:`apexw_hf.accounting.optimizer_state_bytes`, the same accounting for torch, bitsandbytes, torchao and ApexW);
 * ``optimizer_state_bytes_per_param``: the same bytes / the number of elements of the parameters being optimized;
+* ``gradient_release``: 1 if the optimizer updates parameters inside ``backward()`` and frees their gradients (an ApexW
+  built with ``gradient_release=True``, e.g. ``optim="apexw_8bit_release"``), else 0;
+* ``kept_bytes_per_param``: what training keeps per optimized parameter element between backward and the optimizer
+  step, ``(P + G + S) / N``: ``P`` the bytes of the optimized parameters, ``G`` the bytes of their gradients held at
+  the optimizer step (a gradient of every parameter that requires grad, in the gradient's dtype if one is there when
+  the log is written, else the parameter's; 0 with gradient release, which frees each gradient in backward), ``S``
+  the optimizer-state bytes above and ``N`` the elements of the optimized parameters. A bf16 full fine-tune with
+  ``apexw_4bit`` keeps about 2 + 2 + 1.03 = 5.03 bytes, with release 2 + 0 + 1.03 = 3.03; an fp32 model with torch
+  AdamW 4 + 4 + 8 = 16. Not counted: activations, frozen (not optimized) weights, and the one bucket of gradients
+  that a release holds at a time. Under FSDP2, ``P``, ``G`` and ``N`` count this rank's shards (as ``S`` does), so
+  the value is per rank;
 * ``peak_gpu_memory_gib``: ``torch.cuda.max_memory_allocated() / 2**30``, only when CUDA has been used.
 
 A key added to ``logs`` in ``on_log`` reaches the console, TensorBoard or W&B only if this callback runs before the
@@ -21,9 +32,9 @@ import torch
 from transformers import TrainerCallback
 from transformers import trainer_callback as _trainer_callback
 
-from ..accounting import optimizer_param_count, optimizer_state_bytes
+from ..accounting import optimizer_param_count, optimizer_state_bytes, unwrap_optimizer
 
-__all__ = ["OptimizerStateCallback", "optimizer_state_metrics"]
+__all__ = ["OptimizerStateCallback", "optimizer_state_metrics", "kept_bytes", "uses_gradient_release"]
 
 MIB = 2**20
 GIB = 2**30
@@ -33,17 +44,46 @@ def optimizer_state_metrics(optimizer, *, unique: bool = False, peak_memory: boo
     """The values :class:`OptimizerStateCallback` logs, for any optimizer (or accelerate's wrapper of one)."""
     nbytes = optimizer_state_bytes(optimizer, unique=unique)
     nparams = optimizer_param_count(optimizer)
+    release = uses_gradient_release(optimizer)
+    kept, local_params = kept_bytes(optimizer, nbytes, release)
     out = {
         "optimizer_state_mib": nbytes / MIB,
         "optimizer_state_bytes_per_param": nbytes / nparams if nparams else 0.0,
+        "gradient_release": int(release),
+        "kept_bytes_per_param": kept / local_params if local_params else 0.0,
     }
     if peak_memory and torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
 
 
+def uses_gradient_release(optimizer) -> bool:
+    """Whether ``optimizer`` (or the optimizer inside accelerate's wrapper) releases gradients in backward."""
+    return bool(getattr(unwrap_optimizer(optimizer), "gradient_release", False))
+
+
+def kept_bytes(optimizer, state_bytes: int, release: bool) -> tuple[int, int]:
+    """``(P + G + S, N)`` of ``kept_bytes_per_param`` (see the module docstring), on this rank's shards."""
+    opt = unwrap_optimizer(optimizer)
+    seen: set[int] = set()
+    total, count = state_bytes, 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            local = p.to_local() if hasattr(p, "to_local") else p  # FSDP2 DTensor: this rank's shard
+            count += local.numel()
+            total += local.numel() * local.element_size()
+            if p.requires_grad and not release:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                total += local.numel() * (local.element_size() if grad is None else grad.element_size())
+    return total, count
+
+
 class OptimizerStateCallback(TrainerCallback):
-    """Log optimizer-state MiB, state bytes per optimized parameter and peak GPU memory with every training log.
+    """Log optimizer-state MiB, state bytes and kept bytes per optimized parameter, whether gradients are released,
+    and peak GPU memory with every training log.
 
     Args:
         unique: count tensors shared between parameters' states once (actual memory) instead of once per reference
@@ -54,7 +94,8 @@ class OptimizerStateCallback(TrainerCallback):
         >>> from apexw_hf.integrations.callbacks import OptimizerStateCallback
         >>> trainer = Trainer(model, args, train_dataset=ds, callbacks=[OptimizerStateCallback()])  # doctest: +SKIP
         >>> trainer.train()  # doctest: +SKIP
-        {'loss': 2.31, ..., 'optimizer_state_mib': 47.1, 'optimizer_state_bytes_per_param': 2.03}
+        {'loss': 2.31, ..., 'optimizer_state_mib': 47.1, 'optimizer_state_bytes_per_param': 2.03,
+        'gradient_release': 0, 'kept_bytes_per_param': 10.03}
     """
 
     run_first = True  # see the module docstring: must run before TensorBoard/W&B/console callbacks
