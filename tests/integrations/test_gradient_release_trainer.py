@@ -29,7 +29,9 @@ class NormProbe:
     def __init__(self, model):
         self.sums: list[float] = []
         self._seen: set[int] = set()
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in model.parameters() if p.requires_grad]
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._hook)
 
     def _hook(self, p):
         if not self.sums or id(p) in self._seen:  # the first gradient of a new backward pass
