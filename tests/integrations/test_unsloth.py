@@ -76,13 +76,20 @@ def test_unsloth_cpu_mode_keeps_apexw_names(tmp_path, order):
 
 
 def test_unsloth_trainer_full_finetune_keeps_a_bf16_model_bf16(tmp_path):
-    # UnslothTrainer on a model kept in bf16 (every parameter trained): no upcast, ApexW's stochastic rounding
-    result, _ = _run_check(tmp_path, "unsloth_first", "full_bf16")
+    # UnslothTrainer on a model kept in bf16 (every parameter trained): no upcast, ApexW's stochastic rounding; and the
+    # same with gradient release (optim="apexw_8bit_release"), in the same interpreter (Unsloth's import costs seconds)
+    result, _ = _run_check(tmp_path, "unsloth_first", "full_bf16", "release")
     assert result["control"] == "adamw_torch_fused", "Unsloth's CPU mode is not active: the check would prove nothing"
     assert result["optimizer"] == "ApexW8bit" and result["param_dtypes"] == ["torch.bfloat16"]
     assert result["param_rounding"] == ["stochastic"]
     assert 2.0 < result["state_bytes_per_param"] < 2.2
     assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]
+    release = result["release"]
+    assert release["optimizer"] == "ApexW8bit" and release["gradient_release"] and release["max_grad_norm"] == 1.0
+    assert release["param_dtypes"] == ["torch.bfloat16"] and release["grads_freed"]
+    assert len(release["losses"]) == 3 and release["losses"][-1] < release["losses"][0]
+    assert len(release["grad_norms"]) == 3 and all(v > 0 for v in release["grad_norms"]), release["grad_norms"]
+    assert release["bit_identical"] and release["trained"]
 
 
 def test_unsloth_cpu_mode_trains_with_apexw_4bit(tmp_path):

@@ -1,8 +1,10 @@
 """Run by test_unsloth.py in a fresh interpreter (Unsloth patches transformers and TRL globally when imported).
 
-Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first} [full_bf16] [optim=NAME]. Prints one JSON line
-starting with RESULT. ``full_bf16``: instead of the LoRA run, a full fine-tune of the model kept in bf16 through
-UnslothTrainer. ``optim``: the ApexW name the run trains with (default ``apexw_8bit``).
+Usage: python unsloth_cpu_check.py OUT_DIR {apexw_first|unsloth_first} [full_bf16] [release] [optim=NAME]. Prints one
+JSON line starting with RESULT. ``full_bf16``: instead of the LoRA run, a full fine-tune of the model kept in bf16
+through UnslothTrainer. ``release`` (with ``full_bf16``): three more full fine-tunes in the same interpreter, with
+``optim + "_release"`` (gradient release) at max_grad_norm=1.0, and without clipping both with and without release.
+``optim``: the ApexW name the run trains with (default ``apexw_8bit``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 out_dir, order = sys.argv[1], sys.argv[2]
 full_bf16 = "full_bf16" in sys.argv[3:]
+release = "release" in sys.argv[3:]
 optim = next((a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("optim=")), "apexw_8bit")
 # The import order is what is tested, so it is spelled out with importlib (an import sorter cannot reorder it).
 for module in ("apexw_hf", "unsloth") if order == "apexw_first" else ("unsloth", "apexw_hf"):
@@ -40,11 +43,11 @@ for name in ("apexw_8bit", "apexw_compact", "apexw_4bit"):
         result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
 
 
-def train(model, **extra):
-    """A 3-step run of ``model`` through Unsloth's trainer with ``optim``; returns (trainer, the real optimizer)."""
+def train(model, name=optim, **extra):
+    """A 3-step run of ``model`` through Unsloth's trainer with ``name``; returns (trainer, the real optimizer)."""
     config = UnslothTrainingArguments(
         **common,
-        optim=optim,
+        optim=name,
         optim_args="engine=torch",
         max_steps=3,
         per_device_train_batch_size=4,
@@ -69,6 +72,27 @@ if full_bf16:
     result["param_rounding"] = sorted({g["param_rounding"] for g in opt.param_groups})
     result["state_bytes_per_param"] = opt.state_bytes() / sum(p.numel() for p in trainer.model.parameters())
     result["losses"] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if release:
+        trainer, opt = train(make_model(lora=False).to(torch.bfloat16), name=optim + "_release", bf16=True)
+        result["release"] = {
+            "optimizer": type(opt).__name__,
+            "gradient_release": opt.gradient_release,
+            "max_grad_norm": opt._release.max_grad_norm,
+            "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+            "grads_freed": all(p.grad is None for p in trainer.model.parameters()),
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "grad_norms": [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h],
+        }
+        # without clipping, release and ordinary steps give the same bits (the same seed and data)
+        runs = [
+            train(make_model(lora=False).to(torch.bfloat16), name=n, bf16=True, max_grad_norm=0)[0]
+            for n in (optim, optim + "_release")
+        ]
+        params = [list(t.model.parameters()) for t in runs]
+        result["release"]["bit_identical"] = all(torch.equal(a, b) for a, b in zip(*params))
+        result["release"]["trained"] = all(
+            not torch.equal(a, b) for a, b in zip(params[1], make_model(lora=False).to(torch.bfloat16).parameters())
+        )
     print("RESULT " + json.dumps(result))
     sys.exit(0)
 
