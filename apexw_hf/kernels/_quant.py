@@ -44,8 +44,7 @@ M_HALF = tl.constexpr(1 << 17)
 V_RAND_MASK = tl.constexpr(0x3FF << 14)
 V_HALF = tl.constexpr(1 << 13)
 # 4-bit: one shift of the random word by W4_SHIFT puts bits 10-15 (m) at bits 22-27, right below the m code when the
-# magnitude's bits are added shifted left by 5, and bits 0-9 (v) at bits 12-21, below the v code when they are added
-# shifted right by 1; each plus half a unit below its random bits (reference._rand_offset with drop = 23).
+# magnitude's bits are added shifted left by 5, plus half a unit below them (reference._rand_offset with drop = 23).
 TWO_POW_M120 = tl.constexpr(2.0**-120)
 W4_SHIFT = tl.constexpr(12)
 M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
