@@ -5,15 +5,21 @@
 #    steps against reference.adamw_step_ref_, the engine) and the gpu-marked 4-bit checkpoint / CUDA-engine tests;
 # 2. the optimizer-step benchmark, apexw_4bit (version 2) beside torch fused (and apexw_8bit) in the same process;
 #    with V1_DIR set to a checkout of a329abf (the last commit with 4-bit version 1, made beforehand with
-#    `mkdir -p .v1_4bit && git archive a329abf apexw_hf scripts | tar -x -C .v1_4bit`), version 1's 4-bit step right
+#    `mkdir -p runs/v1_4bit && git archive a329abf apexw_hf scripts | tar -x -C runs/v1_4bit`, carried to the device),
+#    version 1's 4-bit step right
 #    after, for issue 27's speed target (version 2's kernel time within 1.05x of version 1's).
-# Run from the repository root:  bash scripts/gpu_four_bit_v2_check.sh "$OUT"   (V1_DIR=.v1_4bit to add v1)
+# Run from the repository root:  bash scripts/gpu_four_bit_v2_check.sh "$OUT"   (V1_DIR=runs/v1_4bit to add v1)
 # Results: $OUT/gpu.txt, $OUT/kernel_tests.log, $OUT/gpu_marked_tests.log, $OUT/step_4bit_v2.json (+ .log),
 # $OUT/step_4bit_v1.json (+ .log).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
-export PYTHONUNBUFFERED=1
+# the offline wheelhouse, where there is one (as scripts/h200_kernel_check.sh)
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$out/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$out/gpu.txt"
 timeout "${TEST_SECONDS:-300}" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_codes.py \
