@@ -22,9 +22,6 @@ _GRAD = operator.attrgetter("grad")
 
 ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Above this beta2 the 4-bit format's v no longer decays at about beta2 (reference.v4_decay_per_step: one code per
-# binade, the halving probability 2 * (1 - beta2) resolved in units of 2**-10, none from 1 - 2**-12 on).
-BETA2_MAX_4BIT = 0.9995
 # Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
 _TORCH_ONLY_KEYS = ("amsgrad", "foreach", "capturable", "differentiable", "fused", "decoupled_weight_decay")
 # What torch.optim.AdamW(params) puts under those keys; to_torch_adamw_state_dict writes them.
@@ -48,7 +45,7 @@ class ApexW(torch.optim.Optimizer):
         eps: added to the denominator, >= 0.
         weight_decay: decoupled weight decay, >= 0.
         state_format: ``"compact"`` (bf16 moments, 4 bytes/param), ``"8bit"`` (block-quantized, about 2.03
-            bytes/param), ``"4bit"`` (block-quantized, both moments in one byte, about 1.03 bytes/param) or
+            bytes/param), ``"4bit"`` (block-quantized, both moments in one byte, about 1.05 bytes/param) or
             ``"fp32"`` (8 bytes/param, exact).
         maximize: maximize the objective instead of minimizing it.
         amsgrad: not supported; ``True`` raises ``ValueError``.
@@ -175,27 +172,12 @@ class ApexW(torch.optim.Optimizer):
         if not isinstance(group["maximize"], bool):
             raise TypeError(f"maximize must be a bool, got {group['maximize']!r}")
 
-    @staticmethod
-    def _warn_hparams(group: dict) -> None:
-        """Valid settings that a format serves badly (once per param group, when it is added)."""
-        beta2 = _as_float("betas[1]", group["betas"][1])
-        if group.get("state_format") == "4bit" and beta2 > BETA2_MAX_4BIT:
-            warnings.warn(
-                f"state_format='4bit' with beta2={beta2}: the 4-bit v code moves by whole binades, with a probability "
-                "resolved in units of 2**-10, so a v whose gradients stop decays by "
-                f"{ref.v4_decay_per_step(beta2):.6f} a step instead of by beta2 (not at all from 1 - 2**-12 = "
-                f"0.99976 on); use state_format='8bit' for beta2 above {BETA2_MAX_4BIT}",
-                UserWarning,
-                stacklevel=5,
-            )
-
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         if group["seed"] != self.defaults["seed"]:
             raise ValueError("seed is per optimizer, not per param group")
         self._check_hparams(group)
-        self._warn_hparams(group)
         devices = set()
         for p in group["params"]:
             if p.is_complex():
