@@ -21,7 +21,13 @@ shrink or grow as a whole is clipped as exact clipping would; a spike in one ten
 The first step, or a step whose buckets differ from the previous one's, uses ``N = max(sqrt(S), previous norm)``.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
-partial sums (a resumed run clips exactly as an unbroken one).
+partial sums (a resumed run clips exactly as an unbroken one). They are saved twice: under the state dict's
+``"gradient_release"`` key, and as a JSON string under the key ``"gradient_release_state"`` of its first param group,
+because ``torch.distributed.checkpoint``'s ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (how Accelerate
+and the Trainer checkpoint an FSDP2 optimizer) keep only ``"state"`` and ``"param_groups"``, and their full-state-dict
+broadcast from rank 0 fills each leaf of the receiving rank's own state dict (a list of partial sums would keep the
+receiver's length; one string is one leaf). On load the group key is taken out of the groups again (it is no
+hyperparameter) and used when the top-level key is missing.
 
 What needs every gradient at once, and what happens to it here:
 
@@ -40,6 +46,8 @@ What needs every gradient at once, and what happens to it here:
 
 from __future__ import annotations
 
+import functools
+import json
 import weakref
 from collections.abc import Callable
 
@@ -48,6 +56,9 @@ import torch
 from . import dtensor as dt
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: 64 MiB of bf16 gradients wait at most for their launch
+
+STATE_KEY = "gradient_release"  # the state dict's top-level key (written by ApexW.state_dict)
+GROUP_STATE_KEY = "gradient_release_state"  # the same in the first param group: survives torch.distributed.checkpoint
 
 _ACCUMULATION_ERROR = (
     "gradient_release=True: the gradient of a parameter (shape {shape}) was completed a second time before "
@@ -85,6 +96,11 @@ class GradientRelease:
         self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
         self.grad_norm: torch.Tensor | None = None  # the same, as reported
         self.flushes = 0  # bucket launches since construction (a diagnostic)
+        ref = weakref.ref(self)
+        self._state_dict_hooks = [
+            optimizer.register_state_dict_post_hook(functools.partial(_state_dict_post_hook, ref)),
+            optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre_hook),
+        ]
 
     # ---- hooks -------------------------------------------------------------------------------------------------
 
@@ -117,6 +133,9 @@ class GradientRelease:
             handle.remove()
         self._handles.clear()
         self._hooked_ids = None
+        for handle in self._state_dict_hooks:
+            handle.remove()
+        self._state_dict_hooks = []
 
     def _make_hook(self):
         ref = weakref.ref(self)
@@ -267,6 +286,37 @@ class GradientRelease:
             t = torch.tensor(float(norm), dtype=torch.float32, device=device)
             self.prev_norm = self.grad_norm = t
         self._prev_cum = [torch.tensor(float(x), dtype=torch.float32, device=device) for x in partial]
+
+
+def _state_dict_post_hook(ref: weakref.ref, optimizer, state_dict: dict) -> None:
+    """Copy the clipping state into the first param group, where ``torch.distributed.checkpoint`` keeps it."""
+    release = ref()
+    if release is not None and state_dict.get("param_groups"):
+        state_dict["param_groups"][0][GROUP_STATE_KEY] = json.dumps(release.state())
+
+
+def _load_state_dict_pre_hook(optimizer, state_dict: dict) -> dict:
+    """Take the group copy of the clipping state out of the param groups; use it if the top-level key is missing."""
+    saved = None
+    groups = []
+    for group in state_dict.get("param_groups", []):
+        if GROUP_STATE_KEY in group:
+            group = dict(group)  # the caller's state dict stays as it was
+            value = group.pop(GROUP_STATE_KEY)
+            saved = value if saved is None else saved
+        groups.append(group)
+    out = dict(state_dict)
+    out["param_groups"] = groups
+    if saved is not None and out.get(STATE_KEY) is None:
+        if isinstance(saved, str):
+            try:
+                saved = json.loads(saved)
+            except ValueError as e:
+                raise ValueError(f"gradient_release state: {GROUP_STATE_KEY} is not JSON ({e}): {saved!r}") from e
+        if not isinstance(saved, dict):
+            raise ValueError(f"gradient_release state: {GROUP_STATE_KEY} must be a JSON object, got {saved!r}")
+        out[STATE_KEY] = saved
+    return out
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -3,6 +3,8 @@
 Two gloo ranks on CPU, the machinery of test_fsdp_ddp.py (``workers``). One spawn per test, every format inside it.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -105,12 +107,78 @@ def _clipped_norms(world, bucket, data):
     return {"true": true_norms, "logged": logged, "sharded": local_shards_differ, "grads_freed": grads_freed}
 
 
+def _clipping_opt(model):
+    return ApexW(
+        model.parameters(),
+        lr=3e-3,
+        state_format="8bit",
+        gradient_release=True,
+        max_grad_norm=0.05,
+        release_bucket_size=BUCKET,
+    )
+
+
+def _train_released(model, opt, data):
+    for x, y in data:
+        _loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _resume_with_clipping(world, rank, out, data, full):
+    """Checkpoint with torch.distributed.checkpoint's optimizer state dict (what Accelerate saves for FSDP2), resume,
+    continue: equal to the unbroken run, the clipping of the first resumed step included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    model = w.sharded(world)
+    _train_released(model, _clipping_opt(model), data)
+    unbroken = w.gathered_params(model)
+
+    model = w.sharded(world)
+    opt = _clipping_opt(model)
+    _train_released(model, opt, data[:2])
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    msd = {k: v.detach().clone() if not full else v for k, v in model.state_dict().items()}
+    ckpt = os.path.join(out, f"ckpt_{full}")
+    if full:
+        if rank == 0:
+            torch.save(osd, ckpt)
+        dist.barrier()
+    else:
+        dcp.save({"optim": osd}, checkpoint_id=ckpt)
+    opt._release.remove_hooks()
+
+    model2 = w.sharded(world)
+    model2.load_state_dict(msd)
+    opt2 = _clipping_opt(model2)
+    if full:
+        osd2 = torch.load(ckpt, weights_only=True) if rank == 0 else {}
+        set_optimizer_state_dict(
+            model2, opt2, osd2, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+    else:
+        target = {"optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(target, checkpoint_id=ckpt)
+        set_optimizer_state_dict(model2, opt2, target["optim"])
+    restored = opt2._release.state() == opt._release.state() and opt._release.prev_norm is not None
+    _train_released(model2, opt2, data[2:])
+    resumed = w.gathered_params(model2)
+    return {"equal": all(torch.equal(a, b) for a, b in zip(unbroken, resumed)), "norm_restored": restored}
+
+
 def _fsdp_release(rank, world, store, out):
     w.init(rank, world, store)
     data = w.batches(4, rank, world)
     result = {fmt: _release_vs_step(world, fmt, data) for fmt in FORMATS}
     for bucket in BUCKETS:
         result[f"clip_{bucket}"] = _clipped_norms(world, bucket, data)
+    for full in (False, True):
+        result[f"resume_{full}"] = _resume_with_clipping(world, rank, out, data, full)
     w.save_result(out, rank, result)
     w.finish()
 
@@ -144,6 +212,14 @@ def test_fsdp2_release_with_clipping_records_the_global_norm(fsdp_results, bucke
         assert min(res["true"]) > 0.05
         assert res["logged"] == pytest.approx(res["true"], rel=1e-5)
     assert fsdp_results[0][f"clip_{bucket}"]["logged"] == fsdp_results[1][f"clip_{bucket}"]["logged"]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])
+def test_fsdp2_release_resume_with_clipping_is_exact(fsdp_results, full):
+    for r in fsdp_results:
+        res = r[f"resume_{full}"]
+        assert res["norm_restored"], "the clipping state (previous norm, partial sums) was lost in the checkpoint"
+        assert res["equal"]
 
 
 def _ddp_release(rank, world, store, out):

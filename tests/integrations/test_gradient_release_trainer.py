@@ -5,6 +5,7 @@ A full fine-tune of the tiny Llama (tied embedding and output layer, norms witho
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -136,6 +137,7 @@ def test_release_resume_equals_unbroken_run(tmp_path):
     checkpoint = tmp_path / "a" / "checkpoint-2"
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert saved["gradient_release"]["prev_grad_norm"] > 0 and saved["gradient_release"]["prev_partial_sumsq"]
+    assert json.loads(saved["param_groups"][0]["gradient_release_state"]) == saved["gradient_release"]
     resumed = _train(tmp_path / "b", "apexw_8bit_release", resume_from=str(checkpoint), **kw)
     for key in ("loss", "grad_norm"):
         a, b = _logged(unbroken, key), _logged(resumed, key)
@@ -152,6 +154,8 @@ def test_release_resume_equals_unbroken_run(tmp_path):
     control = tmp_path / "control-2"
     shutil.copytree(checkpoint, control)
     del saved["gradient_release"]
+    for group in saved["param_groups"]:
+        group.pop("gradient_release_state", None)
     torch.save(saved, control / "optimizer.pt")
     forgetful = _train(tmp_path / "c", "apexw_8bit_release", resume_from=str(control), **kw)
     assert any(not torch.equal(p, q) for p, q in zip(unbroken.model.parameters(), forgetful.model.parameters()))
