@@ -369,7 +369,7 @@ class ApexW(torch.optim.Optimizer):
         if self._uses_triton(group, params):
             self._triton_engine().step_group(group, params, grads, bucket)  # checks each new gradient allocation
         else:
-            self._torch_engine().step_group(group, params, grads)
+            self._torch_engine().step_group(group, params, grads, bucket)
 
     @torch.no_grad()
     def step(self, closure=None):

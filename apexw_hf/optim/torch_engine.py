@@ -359,7 +359,9 @@ class TorchEngine:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self._layouts: dict[int, _GroupPlan] = {}
+        # Keyed by (id(group), bucket): bucket None for step(), one plan per bucket of gradient release. A plan whose
+        # step counters were replaced by another's fails the identity check below and is rebuilt.
+        self._layouts: dict[tuple[int, object], _GroupPlan] = {}
         self._scratch: dict = {}
         self.numba_used = False  # whether any chunk ran on the fused numba path (see use_numba)
 
@@ -373,10 +375,13 @@ class TorchEngine:
             sc = self._scratch[device] = Scratch(device, CHUNK)
         return sc
 
-    def step_group(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    def step_group(
+        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
+    ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update.
 
-        ``grads``: their ``.grad`` tensors, in the same order.
+        ``grads``: their ``.grad`` tensors, in the same order. ``bucket``: a hashable name of this subset of the group
+        (gradient release steps a group bucket by bucket), which keeps its own chunk plan.
         """
         if not params:
             return
@@ -392,7 +397,7 @@ class TorchEngine:
                 )
         states = [opt._init_state(p, group) for p in params]
         step_tensors = [s["step"] for s in states]
-        cached = self._layouts.get(id(group))
+        cached = self._layouts.get((id(group), bucket))
         if (
             cached is not None
             and cached.fmt == group["state_format"]
@@ -409,7 +414,7 @@ class TorchEngine:
                 t.add_(1.0)
             steps = [int(t.item()) for t in step_tensors]
             cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
-            self._layouts[id(group)] = cached
+            self._layouts[(id(group), bucket)] = cached
         for layout, idx in cached.layouts:
             t = steps[idx[0]]
             self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
