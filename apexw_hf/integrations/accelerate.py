@@ -8,7 +8,8 @@ optimizer has clipped and applied each one in backward (:mod:`apexw_hf.optim.rel
   instead of the 0 of an empty gradient list), and refuses a ``max_norm`` the optimizer was not built with (the loop
   would believe it clipped at a norm that nobody applied);
 * ``backward`` refuses, before the first update, what release cannot do: a GradScaler (fp16), gradient accumulation,
-  DDP and DeepSpeed; and re-hooks the parameters (Accelerate's FSDP2 preparation replaces them in ``param_groups``).
+  DDP, FSDP version 1 and DeepSpeed; and re-hooks the parameters (Accelerate's FSDP2 preparation replaces them in
+  ``param_groups``).
 
 Loops whose Accelerator has no releasing ApexW go straight to the original methods.
 """
@@ -54,6 +55,13 @@ def _check_backward(accelerator, optimizers) -> None:
             "apply each rank's gradient before the all-reduce, and DeepSpeed owns the gradients. Use FSDP2 "
             "(fsdp_version: 2), or turn gradient release off."
         )
+    if kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
+        raise RuntimeError(
+            "ApexW with gradient release supports FSDP2 only, not FSDP version 1: FSDP1's flat parameters receive "
+            "their gradients outside the per-parameter hooks, so nothing would be released and the clipping norm "
+            "would be this rank's shard's, not the global one. Set fsdp_version: 2 (TrainingArguments fsdp_config "
+            '{"version": 2}), or turn gradient release off.'
+        )
     for opt in optimizers:
         opt._release.sync_hooks()
 
@@ -82,8 +90,8 @@ def patch_accelerator(module=None) -> None:
         opt = optimizers[0]
         if float(norm_type) != 2.0:
             raise ValueError(
-                f"clip_grad_norm_(norm_type={norm_type}) with an ApexW that releases gradients: it records the L2 norm "
-                "only; use norm_type=2"
+                f"clip_grad_norm_(norm_type={norm_type}) with an ApexW that releases gradients: it records the L2 "
+                "norm only; use norm_type=2"
             )
         max_norm = float(max_norm)
         if not math.isinf(max_norm) and (opt._release.max_grad_norm is None or opt._release.max_grad_norm != max_norm):

@@ -214,6 +214,15 @@ def check_gradient_release_args(args) -> None:
             f"optim={name!r} with gradient release cannot run under DeepSpeed, which owns the gradients; use FSDP2 "
             "(fsdp_version 2) or one GPU, or the optimizer without release."
         )
+    fsdp_config = getattr(args, "fsdp_config", None)
+    if getattr(args, "fsdp", None) and isinstance(fsdp_config, dict):
+        version = fsdp_config.get("version", fsdp_config.get("fsdp_version"))
+        if version is not None and str(version) != "2":
+            raise ValueError(
+                f"optim={name!r} with gradient release supports FSDP2 only, and fsdp_config sets version {version}: "
+                "FSDP1's flat parameters get their gradients outside the per-parameter hooks. Set fsdp_config "
+                '{"version": 2}, or use the optimizer without release.'
+            )
 
 
 def check_model_for_training_args(args, model) -> None:

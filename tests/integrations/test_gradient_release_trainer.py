@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -222,3 +223,19 @@ def test_accelerate_loop_refuses_a_max_norm_the_optimizer_was_not_built_with():
     assert float(accelerator.clip_grad_norm_(model.parameters(), float("inf"))) > 0  # the norm, nothing clipped
     opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_release_refuses_fsdp_version_1(tmp_path):
+    """FSDP1's flat parameters get their gradients outside the per-parameter hooks: refused when the arguments are
+    built (an explicit version 1) and by Accelerator.backward (whatever set it up), before any update."""
+    from accelerate.utils import DistributedType
+    from transformers import TrainingArguments
+
+    from apexw_hf.integrations.accelerate import _check_backward
+
+    with pytest.raises(ValueError, match="FSDP2 only.*version 1"):
+        TrainingArguments(**train_kwargs(tmp_path, optim="apexw_8bit_release", fsdp=True, fsdp_config={"version": 1}))
+    fsdp1 = SimpleNamespace(scaler=None, gradient_accumulation_steps=1, distributed_type=DistributedType.FSDP)
+    with pytest.raises(RuntimeError, match="FSDP2 only, not FSDP version 1"):
+        _check_backward(SimpleNamespace(**vars(fsdp1), is_fsdp2=False), [])
+    _check_backward(SimpleNamespace(**vars(fsdp1), is_fsdp2=True), [])  # FSDP2 passes
