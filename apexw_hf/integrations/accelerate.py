@@ -57,10 +57,10 @@ def _check_backward(accelerator, optimizers) -> None:
         )
     if kind == DistributedType.FSDP and not getattr(accelerator, "is_fsdp2", False):
         raise RuntimeError(
-            "ApexW with gradient release supports FSDP2 only, not FSDP version 1: FSDP1's flat parameters receive "
-            "their gradients outside the per-parameter hooks, so nothing would be released and the clipping norm "
-            "would be this rank's shard's, not the global one. Set fsdp_version: 2 (TrainingArguments fsdp_config "
-            '{"version": 2}), or turn gradient release off.'
+            "ApexW with gradient release supports FSDP2 only, not FSDP version 1: FSDP1 reduce-scatters flat "
+            "parameters in its own post-backward hook, so a per-parameter release hook would see an unreduced "
+            "gradient (flat parameters) or none at all (use_orig_params), and the clipping norm would be this rank's. "
+            'Set fsdp_version: 2 (TrainingArguments fsdp_config {"version": 2}), or turn gradient release off.'
         )
     for opt in optimizers:
         opt._release.sync_hooks()

@@ -220,8 +220,8 @@ def check_gradient_release_args(args) -> None:
         if version is not None and str(version) != "2":
             raise ValueError(
                 f"optim={name!r} with gradient release supports FSDP2 only, and fsdp_config sets version {version}: "
-                "FSDP1's flat parameters get their gradients outside the per-parameter hooks. Set fsdp_config "
-                '{"version": 2}, or use the optimizer without release.'
+                "FSDP1 reduce-scatters flat parameters in its own post-backward hook, outside the per-parameter hooks "
+                'that release uses. Set fsdp_config {"version": 2}, or use the optimizer without release.'
             )
 
 
