@@ -183,11 +183,22 @@ def _optimizer_class(name: str):
 
 
 def uses_gradient_release(args) -> bool:
-    """Whether these ``TrainingArguments`` select ApexW with gradient release (a ``_release`` name or optim_args)."""
+    """Whether these ``TrainingArguments`` select ApexW with gradient release (a ``_release`` name or optim_args).
+
+    Raises:
+        ValueError: a ``_release`` name with ``optim_args`` ``gradient_release=false`` (the two contradict).
+    """
     if not _is_apexw(args.optim):
         return False
     name = _name_of(args.optim)
-    return name.endswith(RELEASE_SUFFIX) or bool(parse_optim_args(args.optim_args, name).get("gradient_release"))
+    requested = parse_optim_args(args.optim_args, name).get("gradient_release")
+    if name.endswith(RELEASE_SUFFIX) and requested is False:
+        raise ValueError(
+            f"optim={name!r} turns gradient release on, and optim_args sets gradient_release=false: use "
+            f"optim={name.removesuffix(RELEASE_SUFFIX)!r} for the optimizer without release, or drop gradient_release "
+            "from optim_args"
+        )
+    return name.endswith(RELEASE_SUFFIX) or bool(requested)
 
 
 def check_gradient_release_args(args) -> None:
@@ -271,7 +282,7 @@ def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]
         "state_format": APEXW_OPTIMIZERS[name][1],
     }
     kwargs.update(parse_optim_args(args.optim_args, name))
-    if name.endswith(RELEASE_SUFFIX):
+    if uses_gradient_release(args):
         kwargs["gradient_release"] = True
     if kwargs.get("gradient_release"):
         check_gradient_release_args(args)

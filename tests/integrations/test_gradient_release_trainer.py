@@ -225,17 +225,32 @@ def test_accelerate_loop_refuses_a_max_norm_the_optimizer_was_not_built_with():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-def test_release_refuses_fsdp_version_1(tmp_path):
-    """FSDP1's flat parameters get their gradients outside the per-parameter hooks: refused when the arguments are
-    built (an explicit version 1) and by Accelerator.backward (whatever set it up), before any update."""
-    from accelerate.utils import DistributedType
+def test_release_refuses_fsdp_version_1_and_contradicting_optim_args(tmp_path):
+    """Refused when the arguments are built: FSDP1 (its flat parameters are reduce-scattered outside the per-parameter
+    hooks) and a _release name with gradient_release=false in optim_args."""
     from transformers import TrainingArguments
-
-    from apexw_hf.integrations.accelerate import _check_backward
 
     with pytest.raises(ValueError, match="FSDP2 only.*version 1"):
         TrainingArguments(**train_kwargs(tmp_path, optim="apexw_8bit_release", fsdp=True, fsdp_config={"version": 1}))
-    fsdp1 = SimpleNamespace(scaler=None, gradient_accumulation_steps=1, distributed_type=DistributedType.FSDP)
-    with pytest.raises(RuntimeError, match="FSDP2 only, not FSDP version 1"):
-        _check_backward(SimpleNamespace(**vars(fsdp1), is_fsdp2=False), [])
-    _check_backward(SimpleNamespace(**vars(fsdp1), is_fsdp2=True), [])  # FSDP2 passes
+    with pytest.raises(ValueError, match="gradient_release=false.*'apexw_8bit'"):
+        TrainingArguments(**train_kwargs(tmp_path, optim="apexw_8bit_release", optim_args="gradient_release=false"))
+
+
+def test_accelerate_backward_refuses_what_release_cannot_do():
+    """Accelerator.backward's checks, before any update, on stand-ins for the accelerator: fp16's GradScaler, gradient
+    accumulation, DDP (MULTI_CPU) and FSDP version 1; FSDP2 and one process pass."""
+    from accelerate.utils import DistributedType
+
+    from apexw_hf.integrations.accelerate import _check_backward
+
+    ok = dict(scaler=None, gradient_accumulation_steps=1, distributed_type=DistributedType.NO, is_fsdp2=False)
+    _check_backward(SimpleNamespace(**ok), [])
+    _check_backward(SimpleNamespace(**{**ok, "distributed_type": DistributedType.FSDP, "is_fsdp2": True}), [])
+    for change, message in [
+        ({"scaler": object()}, "fp16"),
+        ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps=2"),
+        ({"distributed_type": DistributedType.MULTI_CPU}, "DDP"),
+        ({"distributed_type": DistributedType.FSDP}, "FSDP2 only, not FSDP version 1"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            _check_backward(SimpleNamespace(**{**ok, **change}), [])
