@@ -45,6 +45,8 @@ def test_group_copy_of_the_clipping_state_restores_it():
     assert fresh._release.state() == opt._release.state()
     assert all("gradient_release_state" not in g for g in fresh.param_groups)  # not a hyperparameter
     assert dcp_like["param_groups"] == before["param_groups"]  # the caller's state dict is left as it was
+    again = fresh.state_dict()  # the hooks outlive load_state_dict
+    assert json.loads(again["param_groups"][0]["gradient_release_state"]) == again["gradient_release"]
     fresh._release.remove_hooks()
     opt._release.remove_hooks()
 
