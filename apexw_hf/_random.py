@@ -6,8 +6,8 @@ one 32-bit ``key`` per (seed, tensor index, step, stream)::
     tensor_key = mix32(seed + GOLDEN * (tensor_index + 1))
     key        = mix32(mix32(tensor_key ^ mix32(step)) + stream * STREAM_MUL)
 
-``reference.py`` expands this per element in PyTorch, the Triton kernels on the device (``kernels/_rounding.py``
-takes its constants from here), and the plain-PyTorch engine per chunk. This module imports nothing, so it sits below
+``reference.py`` expands this per element in PyTorch, the Triton kernels on the device
+(``engines/triton/kernels/_rounding.py`` takes its constants from here), and the plain-PyTorch engine per chunk. This module imports nothing, so it sits below
 every layer (the kernels may import it).
 """
 

@@ -1,7 +1,7 @@
 """Plain-PyTorch reference of every ApexW numeric: the AdamW update, bf16/fp16 rounding, 8-bit block quantization.
 
-This module is the specification, written per tensor to be read. The Triton kernels (``apexw_hf.kernels``) and the
-plain-PyTorch engine that ApexW runs on the CPU (``apexw_hf.optim.torch_engine``, a param group at a time) compute
+This module is the specification, written per tensor to be read. The Triton kernels (``apexw_hf.engines.triton``) and
+the plain-PyTorch engine that ApexW runs on the CPU (``apexw_hf.engines.torch``, a param group at a time) compute
 exactly the same bits, and the tests compare them with it bit for bit. It ships with the package as their oracle.
 
 To be bit-reproducible across CPU, CUDA and the Triton interpreter, the math uses only operations that IEEE 754

@@ -4,7 +4,7 @@ Optimizer step only, fp32 parameters: gradients are random and fixed across step
 ``time.perf_counter`` after warm-up. All optimizers of a workload run in the same process, in ``--rounds`` interleaved
 rounds of ``--steps`` steps each; the table shows, per optimizer, the lowest of its round medians (a shared machine
 slows some rounds down; every round median is stored). ``ApexW8bit`` and ``ApexW4bit`` run on the fused numba path
-when numba is installed (``apexw_hf/optim/numba_engine.py``); the ``(torch passes)`` rows are the same optimizers with
+when numba is installed (``apexw_hf/engines/numba.py``); the ``(torch passes)`` rows are the same optimizers with
 that path switched off, the engine without numba. ``--reference`` adds the per-tensor
 ``reference.adamw_step_ref_`` loop (the CPU path before the engine) for comparison; it is slow, so it gets a sixth of
 the steps.

@@ -474,7 +474,7 @@ def time_launches(fn, launches: int, warmup: int = 5) -> tuple[float, float]:
 def tune(args, bw):
     """Kernel tile variants (rows of 256 per program, warps, alignment hints) on the large workloads."""
     from apexw_hf import reference as ref
-    from apexw_hf.kernels import LaunchPlan
+    from apexw_hf.engines.triton.kernels import LaunchPlan
     from apexw_hf.optim import state as st
 
     out = []
@@ -567,7 +567,7 @@ def main():
     result = dict(environment=env, settings=settings, rows=[])
     if args.tune:
         result["tune"] = tune(args, bw)
-        from apexw_hf.kernels import launch
+        from apexw_hf.engines.triton.kernels import launch
 
         for fmt in ("compact", "8bit", "4bit"):
             for size, wname in ((4, "4x8192^2 fp32"), (2, "4x8192^2 bf16")):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from itertools import repeat
@@ -12,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .. import engines
 from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
@@ -55,7 +55,7 @@ class ApexW(torch.optim.Optimizer):
             parameters (fp32 parameters are not rounded).
         engine: ``"auto"`` (Triton kernels for CUDA parameters, plain PyTorch otherwise), ``"triton"`` (always the
             kernels; an error if they cannot run) or ``"torch"`` (always the plain-PyTorch engine,
-            :mod:`apexw_hf.optim.torch_engine`: a param group in cache-sized chunks, the same bits as the kernels).
+            :mod:`apexw_hf.engines.torch`: a param group in cache-sized chunks, the same bits as the kernels).
         gradient_release: update each parameter inside ``backward()`` as soon as its gradient is complete, and free
             the gradient (:mod:`apexw_hf.optim.release`): a full fine-tune then never holds the whole set of
             gradients. The updates are bit-identical to ``step()``'s for the same gradients; ``step()`` still closes
@@ -298,14 +298,6 @@ class ApexW(torch.optim.Optimizer):
 
     # ---- step ----------------------------------------------------------------------------------------------
 
-    def _uses_triton(self, group: dict, params: list[torch.Tensor]) -> bool:
-        engine = group["engine"]
-        if engine == "torch" or not params:
-            return False
-        if engine == "auto":
-            return _auto_uses_triton(params[0].is_cuda)
-        return True  # "triton": the engine raises a clear error if it cannot run
-
     def _tensor_index(self, p: torch.Tensor) -> int:
         """``p``'s position in the flattened param groups: selects its random streams.
 
@@ -323,18 +315,10 @@ class ApexW(torch.optim.Optimizer):
         return idx
 
     def _triton_engine(self):
-        if self._engine is None:
-            from .engine import TritonEngine
-
-            self._engine = TritonEngine(self)
-        return self._engine
+        return engines.triton_engine(self)
 
     def _torch_engine(self):
-        if self._cpu_engine is None:
-            from .torch_engine import TorchEngine
-
-            self._cpu_engine = TorchEngine(self)
-        return self._cpu_engine
+        return engines.torch_engine(self)
 
     @property
     def gradient_release(self) -> bool:
@@ -366,10 +350,7 @@ class ApexW(torch.optim.Optimizer):
         return group
 
     def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
-        if self._uses_triton(group, params):
-            self._triton_engine().step_group(group, params, grads, bucket)  # checks each new gradient allocation
-        else:
-            self._torch_engine().step_group(group, params, grads, bucket)
+        engines.engine_for(self, group, params).step_group(group, params, grads, bucket)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -492,58 +473,8 @@ class ApexW(torch.optim.Optimizer):
         if self._release is not None:
             first = next((p for g in self.param_groups for p in g["params"]), None)
             self._release.load(release_state, None if first is None else dt.local(first).device)
-        for engine in (self._engine, self._cpu_engine):
-            if engine is not None:
-                engine.invalidate()
+        for engine in engines.engines_of(self):
+            engine.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-
-_TRITON_OK: bool | None = None
-_WARNED_NO_TRITON = False
-_WARNED_INTERPRETER = False
-
-
-def _auto_uses_triton(on_cuda: bool) -> bool:
-    """engine="auto": the kernels for CUDA parameters; says so once when triton is missing there, or when the Triton
-    interpreter is selected (it runs kernels on CPU tensors only)."""
-    global _WARNED_NO_TRITON, _WARNED_INTERPRETER
-    if not on_cuda:
-        return False
-    if _triton_available():
-        from ..kernels import INTERPRETED
-
-        if not INTERPRETED:
-            return True
-        if not _WARNED_INTERPRETER:
-            _WARNED_INTERPRETER = True
-            warnings.warn(
-                "ApexW: TRITON_INTERPRET=1 is set, and the Triton interpreter cannot run kernels on CUDA tensors, "
-                "so CUDA parameters go to the plain-PyTorch path (the same results, many times slower). Unset "
-                "TRITON_INTERPRET before apexw_hf is imported to use the kernels.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        return False
-    if not _WARNED_NO_TRITON:
-        _WARNED_NO_TRITON = True
-        warnings.warn(
-            "ApexW: triton is not installed, so CUDA parameters go to the plain-PyTorch path, which is many times "
-            "slower than the Triton kernels. Install triton (pip install 'apexw_hf[triton]'), or pass "
-            "engine='torch' to choose this path explicitly.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return False
-
-
-def _triton_available() -> bool:
-    global _TRITON_OK
-    if _TRITON_OK is None:
-        try:
-            import triton  # noqa: F401
-
-            _TRITON_OK = True
-        except ImportError:
-            _TRITON_OK = False
-    return _TRITON_OK

@@ -477,11 +477,12 @@ def _warm_cpu_kernels(cfg: RecipeConfig) -> None:
     names = {split_optimizer_spec(o)[0] for o in [*cfg.compare.optimizers, cfg.train.optim]}
     if torch.cuda.is_available() or not names & {"apexw_8bit", "apexw_4bit"}:
         return
-    from apexw_hf.optim.torch_engine import numba_engine
+    from apexw_hf.engines.torch import numba_engine
+    from apexw_hf.optim import ApexW
 
     module = numba_engine()
     if module is not None:
-        print(f"[apexw recipe] CPU kernels (numba) compiled or loaded in {module.warm_up():.1f} s", flush=True)
+        print(f"[apexw recipe] CPU kernels (numba) compiled or loaded in {module.warm_up(ApexW):.1f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from apexw_hf.kernels.adamw import _adamw_kernel
+from apexw_hf.engines.triton.kernels.adamw import _adamw_kernel
 
 SIGNATURE = {
     "cstart_ptr": "*i32",

@@ -2,7 +2,7 @@
 
 import torch
 
-from apexw_hf.kernels import INTERPRETED
+from apexw_hf.engines.triton.kernels import INTERPRETED
 
 from ..optim.helpers import same_bits  # noqa: F401  (the kernel tests import it from here)
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from apexw_hf import reference as ref
-from apexw_hf.kernels import adamw_step_
+from apexw_hf.engines.triton.kernels import adamw_step_
 from apexw_hf.optim import state as st
 
 from .helpers import DEVICE, DTYPES, SHAPES, mismatch, same_bits
@@ -284,7 +284,7 @@ def test_per_tensor_steps(fmt):
     corrections."""
     import numpy as np
 
-    from apexw_hf.kernels import LaunchPlan
+    from apexw_hf.engines.triton.kernels import LaunchPlan
 
     gen = torch.Generator().manual_seed(14)
     shapes = [(512,), (256,), (300,)]

@@ -161,12 +161,12 @@ def test_parameters_swapped_after_construction(engine):
 
 
 def test_cpu_without_interpreter_raises(monkeypatch):
-    import apexw_hf.kernels as k
+    import apexw_hf.engines.triton.kernels as k
 
     monkeypatch.setattr(k, "INTERPRETED", False)
     if DEVICE != "cpu":
         pytest.skip("CPU-only check")
-    import apexw_hf.kernels.launch  # noqa: F401
+    import apexw_hf.engines.triton.kernels.launch  # noqa: F401
 
     p = torch.nn.Parameter(torch.ones(4))
     p.grad = torch.ones(4)
@@ -181,9 +181,9 @@ def test_cuda_parameters_under_the_interpreter(monkeypatch):
     and says so once."""
     import types
 
-    import apexw_hf.kernels as k
-    from apexw_hf.optim import base
-    from apexw_hf.optim.engine import TritonEngine
+    import apexw_hf.engines.triton.kernels as k
+    from apexw_hf import engines
+    from apexw_hf.engines.triton import TritonEngine
 
     on_cuda = types.SimpleNamespace(device=torch.device("cuda", 0))  # only its device is looked at
     monkeypatch.setattr(k, "INTERPRETED", True)
@@ -193,19 +193,19 @@ def test_cuda_parameters_under_the_interpreter(monkeypatch):
     TritonEngine._check_device(on_cuda)  # compiled kernels: CUDA parameters are what they run on
 
     monkeypatch.setattr(k, "INTERPRETED", True)
-    monkeypatch.setattr(base, "_WARNED_INTERPRETER", False)
+    monkeypatch.setattr(engines, "_WARNED_INTERPRETER", False)
     with pytest.warns(RuntimeWarning, match="TRITON_INTERPRET=1 is set"):
-        assert base._auto_uses_triton(True) is False
+        assert engines._auto_uses_triton(True) is False
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
-        assert base._auto_uses_triton(True) is False
-        assert base._auto_uses_triton(False) is False
+        assert engines._auto_uses_triton(True) is False
+        assert engines._auto_uses_triton(False) is False
     monkeypatch.setattr(k, "INTERPRETED", False)
-    assert base._auto_uses_triton(True) is True
+    assert engines._auto_uses_triton(True) is True
 
 
 def _compiled_kernels() -> int | None:
-    from apexw_hf.kernels.adamw import _adamw_kernel
+    from apexw_hf.engines.triton.kernels.adamw import _adamw_kernel
 
     caches = getattr(_adamw_kernel, "device_caches", None)
     if caches is None:
@@ -263,7 +263,7 @@ def test_gpu_later_launches_bypass_the_jit(monkeypatch, fmt):
     specialization, which goes through the JIT once)."""
     if DEVICE != "cuda":
         pytest.skip("needs the compiled kernels on a GPU")
-    from apexw_hf.kernels import launch
+    from apexw_hf.engines.triton.kernels import launch
 
     jit_calls = []
     real = launch._adamw_kernel

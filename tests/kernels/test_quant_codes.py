@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from apexw_hf import reference as ref
-from apexw_hf.kernels._quant import (
+from apexw_hf.engines.triton.kernels._quant import (
     dequant_m,
     dequant_m_words,
     dequant_mv4,

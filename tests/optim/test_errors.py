@@ -101,18 +101,18 @@ def test_sparse_gradient():
 
 
 def test_auto_engine_on_cuda_without_triton_warns_once(monkeypatch):
-    from apexw_hf.optim import base
+    from apexw_hf import engines
 
-    monkeypatch.setattr(base, "_TRITON_OK", False)
-    monkeypatch.setattr(base, "_WARNED_NO_TRITON", False)
+    monkeypatch.setattr(engines, "_TRITON_OK", False)
+    monkeypatch.setattr(engines, "_WARNED_NO_TRITON", False)
     with pytest.warns(RuntimeWarning, match="triton is not installed"):
-        assert base._auto_uses_triton(True) is False
+        assert engines._auto_uses_triton(True) is False
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert base._auto_uses_triton(True) is False  # only once
-        assert base._auto_uses_triton(False) is False  # CPU parameters: the plain path by design, no warning
+        assert engines._auto_uses_triton(True) is False  # only once
+        assert engines._auto_uses_triton(False) is False  # CPU parameters: the plain path by design, no warning
 
 
 def test_4bit_at_high_beta2_needs_no_warning():

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import apexw_hf.optim
+import apexw_hf.engines
 from apexw_hf import ApexW, reference
-from apexw_hf.optim import torch_engine
+from apexw_hf.engines import torch as torch_engine
 
 from . import test_torch_engine as tte
 from .helpers import SHAPES
 
 try:
-    from apexw_hf.optim import numba_engine
+    from apexw_hf.engines import numba as numba_engine
 except ImportError:
     numba_engine = None
 
@@ -273,8 +273,8 @@ def test_numba_with_its_jit_disabled_is_not_used(monkeypatch, caplog):
     import numba
 
     monkeypatch.setattr(numba.config, "DISABLE_JIT", True)
-    monkeypatch.delitem(sys.modules, "apexw_hf.optim.numba_engine")
-    monkeypatch.delattr(apexw_hf.optim, "numba_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "apexw_hf.engines.numba")
+    monkeypatch.delattr(apexw_hf.engines, "numba", raising=False)
     monkeypatch.setattr(torch_engine, "_NUMBA_ENGINE", None)
     p = torch.nn.Parameter(torch.randn(300))
     opt = ApexW([p], state_format="8bit")
@@ -288,8 +288,8 @@ def test_numba_with_its_jit_disabled_is_not_used(monkeypatch, caplog):
 def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
     """numba missing: the torch passes step (the reference's bits), and a warning says how to install numba."""
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
-    monkeypatch.delitem(sys.modules, "apexw_hf.optim.numba_engine", raising=False)
-    monkeypatch.delattr(apexw_hf.optim, "numba_engine", raising=False)
+    monkeypatch.delitem(sys.modules, "apexw_hf.engines.numba", raising=False)
+    monkeypatch.delattr(apexw_hf.engines, "numba", raising=False)
     monkeypatch.setattr(torch_engine, "_NUMBA_ENGINE", None)
     values, grads = tte._random([(300,), (5000,)], steps=2, seed=11)
     opt_a, pa, opt_b, pb = tte._twins(values, torch.float32, state_format="8bit", lr=1e-2)

@@ -56,7 +56,7 @@ def test_two_run_grid(tmp_path):
     assert len(pids) == 1  # both runs start from the same prepared base
     assert runs["apexw_8bit"]["optimizer_class"].endswith("ApexW8bit")
     # which engine ran is recorded: on a CPU the plain-PyTorch engine, fused through numba when it is importable
-    from apexw_hf.optim.torch_engine import numba_engine
+    from apexw_hf.engines.torch import numba_engine
 
     r8 = runs["apexw_8bit"]
     assert r8["optimizer_torch_engine_used"] and not r8["optimizer_triton_engine_used"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import kernel_variants  # noqa: E402
 from bench_step import HP, ClockSampler, bytes_moved, copy_bandwidth, environment, time_steps  # noqa: E402
 
-from apexw_hf.kernels import launch  # noqa: E402
+from apexw_hf.engines.triton.kernels import launch  # noqa: E402
 from apexw_hf.optim import ApexW  # noqa: E402
 
 SHIPPED_KERNEL = launch._adamw_kernel

@@ -1,9 +1,9 @@
 """Probe variants of the AdamW kernel, for measuring what limits it: NOT shippable numerics.
 
-Each variant is the shipped kernel source (``apexw_hf/kernels/adamw.py``) with a few expressions replaced and its
-relative imports made absolute, written to ``<tmp>/apexw_kernel_variants/_variant_<name>.py`` (Triton reads a kernel's
-source from its file) and imported from there. ``docs/results/probes/sass_count.py --variant`` counts its instructions on
-the CPU; ``docs/results/probes/issue_probe.py`` times it on a GPU through the normal launch plan.
+Each variant is the shipped kernel source (``apexw_hf/engines/triton/kernels/adamw.py``) with a few expressions
+replaced and its relative imports made absolute, written to ``<tmp>/apexw_kernel_variants/_variant_<name>.py`` (Triton
+reads a kernel's source from its file) and imported from there. ``docs/results/probes/sass_count.py --variant`` counts
+its instructions on the CPU; ``docs/results/probes/issue_probe.py`` times it on a GPU through the normal launch plan.
 
 Variants:
     shipped      the kernel as it is.
@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
-KERNELS = ROOT / "apexw_hf" / "kernels"
+KERNELS = ROOT / "apexw_hf" / "engines" / "triton" / "kernels"
 
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "shipped": [],
@@ -73,9 +73,16 @@ def load_revision(rev: str):
     (folder / pkg / "kernels").mkdir(parents=True, exist_ok=True)
     (folder / pkg / "__init__.py").write_text("")
     (folder / pkg / "_random.py").write_text(git("show", f"{commit}:apexw_hf/_random.py"))
-    for path in git("ls-tree", "--name-only", f"{commit}:apexw_hf/kernels").split():
+    try:  # the kernels' folder since issue 28, else the one before
+        where = "apexw_hf/engines/triton/kernels"
+        names = git("ls-tree", "--name-only", f"{commit}:{where}").split()
+    except subprocess.CalledProcessError:
+        where = "apexw_hf/kernels"
+        names = git("ls-tree", "--name-only", f"{commit}:{where}").split()
+    for path in names:
         if path.endswith(".py"):
-            (folder / pkg / "kernels" / path).write_text(git("show", f"{commit}:apexw_hf/kernels/{path}"))
+            src = git("show", f"{commit}:{where}/{path}").replace("from ....", "from ..")  # _random, one level up
+            (folder / pkg / "kernels" / path).write_text(src)
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     importlib.invalidate_caches()
@@ -90,7 +97,7 @@ def load(name: str):
     if name.startswith("rev:"):
         return load_revision(name[4:])
     if name == "shipped":
-        from apexw_hf.kernels.adamw import _adamw_kernel
+        from apexw_hf.engines.triton.kernels.adamw import _adamw_kernel
 
         return _adamw_kernel
     src = _replaced(KERNELS / "adamw.py", VARIANTS[name], name)
@@ -101,7 +108,7 @@ def load(name: str):
         qpath = folder / f"_variant_{name}_quant.py"
         if not qpath.exists() or qpath.read_text() != qsrc:
             qpath.write_text(qsrc)
-        src = src.replace("from apexw_hf.kernels._quant import", f"from _variant_{name}_quant import")
+        src = src.replace("from apexw_hf.engines.triton.kernels._quant import", f"from _variant_{name}_quant import")
     path = folder / f"_variant_{name}.py"
     if not path.exists() or path.read_text() != src:
         path.write_text(src)
@@ -118,4 +125,5 @@ def _replaced(path: Path, replacements, name: str) -> str:
         if src.count(old) != 1:
             raise RuntimeError(f"variant {name!r}: {old!r} occurs {src.count(old)} times in {path.name}")
         src = src.replace(old, new)
-    return src.replace("from ._", "from apexw_hf.kernels._")  # the variant is imported from outside the package
+    # the variant is imported from outside the package
+    return src.replace("from ._", "from apexw_hf.engines.triton.kernels._")

@@ -73,8 +73,8 @@ def sass_cost() -> None:
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
 
-    from apexw_hf.kernels._quant import block_scale, dequant_m, dequant_v, normalized, quant_m, quant_v
-    from apexw_hf.kernels._rounding import GOLDEN, bf16_bits_to_f32, uniform_bits
+    from apexw_hf.engines.triton.kernels._quant import block_scale, dequant_m, dequant_v, normalized, quant_m, quant_v
+    from apexw_hf.engines.triton.kernels._rounding import GOLDEN, bf16_bits_to_f32, uniform_bits
 
     @triton.jit
     def shipped(g_ptr, c_ptr, s_ptr, bits_ptr):

@@ -1,11 +1,12 @@
 """Kernel time of one launch over a workload, by state format, kernel variant and tile: the GPU's share of a step.
 
-``scripts/bench_step.py`` times ``optimizer.step()`` (host work included); this times the single launch itself,
-through a :class:`~apexw_hf.kernels.launch.LaunchPlan` built once, ``--launches`` launches back to back (CUDA events
+``scripts/bench_step.py`` times ``optimizer.step()`` (host work included); this times the single launch itself, through
+a :class:`~apexw_hf.engines.triton.kernels.LaunchPlan` built once, ``--launches`` launches back to back (CUDA events
 around each, median), so a row is the kernel's time whatever the host costs. It answers which tile (rows of 256
-elements per program x warps) and which probe variant (``docs/results/probes/kernel_variants.py``: same bits with another
-memory access pattern, or wrong numerics for timing only) is fastest on which workload; small-tensor sets such as the
-LoRA one are bound by each program's latency, not by bandwidth, and can prefer other tiles than the large tensors.
+elements per program x warps) and which probe variant (``docs/results/probes/kernel_variants.py``: same bits with
+another memory access pattern, or wrong numerics for timing only) is fastest on which workload; small-tensor sets such
+as the LoRA one are bound by each program's latency, not by bandwidth, and can prefer other tiles than the large
+tensors.
 
     python docs/results/probes/tile_probe.py --out tile.json                              # the default cases
     python docs/results/probes/tile_probe.py --workloads "4x8192^2 bf16" --cases 4bit:shipped:1x1,8bit:shipped:1x1
@@ -30,7 +31,7 @@ import kernel_variants  # noqa: E402
 from bench_step import WORKLOADS, copy_bandwidth, environment, lora_3b_shapes, time_launches  # noqa: E402
 
 from apexw_hf import reference as ref  # noqa: E402
-from apexw_hf.kernels import launch  # noqa: E402
+from apexw_hf.engines.triton.kernels import launch  # noqa: E402
 from apexw_hf.optim import state as st  # noqa: E402
 
 WORKLOADS = {**WORKLOADS, "LoRA Llama-3.2-3B (392 bf16)": (lora_3b_shapes(), torch.bfloat16)}

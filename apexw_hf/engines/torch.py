@@ -14,7 +14,7 @@ for a CPU:
   and out. In a packed 8-bit (4-bit) chunk every tensor starts at a block boundary (of 256, 128 elements) and its
   padding is zero, as in ``reference._blocks``.
   A chunk's scratch (41 bytes per element allocated, about 33 of them touched by an 8-bit chunk: buffers that are
-  never live together share memory, :class:`~apexw_hf.optim.torch_passes.Scratch`) stays in the CPU caches, so the
+  never live together share memory, :class:`~apexw_hf.engines.torch_passes.Scratch`) stays in the CPU caches, so the
   elementwise passes of an 8-bit step (44 operations over the chunk, about 58 chunk-lengths of elements, and the
   NumPy root; about 20 more on the per-block scales) read cache, not memory, and a chunk is large enough to amortize
   PyTorch's cost per operation (a few microseconds of Python and dispatch, serial, while the other intra-op threads
@@ -33,7 +33,7 @@ for a CPU:
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
 * 8-bit state (format version 2) is decoded through fp16, whose bias and subnormals the minifloat codes share, and
-  encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.optim.torch_passes` explains both).
+  encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both).
   4-bit state is the same without mantissa bits: both codes of a byte decoded through fp16 at once, and encoded into
   the one byte by the same integer work.
 * The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit and 4-bit
@@ -43,16 +43,16 @@ for a CPU:
   with a block scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
 
-The elementwise passes over one chunk are in :mod:`apexw_hf.optim.torch_passes`; this module plans the chunks and
+The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
-of the same plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.optim.numba_engine`: the same bits,
+of the same plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.engines.numba`: the same bits,
 one pass over the data instead of about 64 operations; docs/results/cpu_step/notes_2026-12-03.md has the timings);
 without numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are
 not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
-Interface with the optimizer (as :class:`~apexw_hf.optim.engine.TritonEngine`)::
+Interface with the optimizer (as :class:`~apexw_hf.engines.triton.TritonEngine`)::
 
     engine = TorchEngine(optimizer)
     engine.step_group(group, params, grads)   # params with a gradient, in group order; grads their .grad
@@ -70,9 +70,9 @@ import torch
 
 from .. import _random as rnd
 from .. import reference as ref
-from . import dtensor as dt
-from .hparams import step_hparams
-from .state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_DTYPES, SCALE_KEYS, STATE_KEYS, moment_keys
+from ..optim import dtensor as dt
+from ..optim.hparams import step_hparams
+from ..optim.state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_DTYPES, SCALE_KEYS, STATE_KEYS, moment_keys
 from .torch_passes import (
     Scratch,
     bf16_stochastic,
@@ -106,16 +106,16 @@ CHUNK = 1 << 19
 # fp32, bf16 and fp16 parameters did (gpu_tests_h200_2026-12-03_0cac18f.log), so no combination is refused on CUDA.
 
 
-_NUMBA_ENGINE = None  # apexw_hf.optim.numba_engine once imported; False when numba cannot be imported
+_NUMBA_ENGINE = None  # apexw_hf.engines.numba once imported; False when numba cannot be imported
 
 
 def numba_engine():
-    """The fused CPU path (:mod:`apexw_hf.optim.numba_engine`), or None when numba cannot be imported; the first
+    """The fused CPU path (:mod:`apexw_hf.engines.numba`), or None when numba cannot be imported; the first
     time that happens it is logged (WARNING), with how to install numba."""
     global _NUMBA_ENGINE
     if _NUMBA_ENGINE is None:
         try:
-            from . import numba_engine as module
+            from . import numba as module
 
             _NUMBA_ENGINE = module
         except ImportError as e:
@@ -144,7 +144,7 @@ class _Chunk:
         self.pads = pads  # (offset, count) of block padding (8-bit, 4-bit) in a packed chunk
         self.io = None  # persistent views (see _Layout._bind)
         self.flat = None  # a packed chunk's own moment buffers (see _Layout._flatten)
-        self.fused = None  # the numba path's tables of this chunk (numba_engine._ChunkTables)
+        self.fused = None  # the numba path's tables of this chunk (numba._ChunkTables)
 
 
 def _plan_chunks(numels: list[int], block: int | None) -> list[_Chunk]:

@@ -1,6 +1,6 @@
 """Triton engine of :class:`~apexw_hf.optim.base.ApexW`: one kernel launch per (param group, param dtype, grad dtype).
 
-Interface with the optimizer (``base.py``)::
+Interface with the optimizer (through :func:`apexw_hf.engines.engine_for`, which ``ApexW`` calls)::
 
     engine = TritonEngine(optimizer)        # one per optimizer, created lazily on the first Triton step
     engine.step_group(group, params, grads) # params: the group's params whose .grad is not None, in group order
@@ -11,7 +11,7 @@ Interface with the optimizer (``base.py``)::
 streams use ``optimizer._tensor_index(p)`` as tensor index and ``group["seed"]``, as the reference does.
 
 What is cached per group (rebuilt only when the set of stepping params, their state tensors or their grad dtypes
-change): the address and program-to-tensor tables on the device (:class:`apexw_hf.kernels.LaunchPlan`), per-tensor
+change): the address and program-to-tensor tables on the device (:class:`~.kernels.LaunchPlan`), per-tensor
 random keys, and the step counters: ``state["step"]`` of every param in the cache is a 0-dim view into one CPU fp32
 buffer, so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU tensors for ``state_dict``).
 
@@ -40,9 +40,9 @@ import operator
 import numpy as np
 import torch
 
-from .. import reference as ref
-from . import dtensor as dt
-from .hparams import step_hparams
+from ... import reference as ref
+from ...optim import dtensor as dt
+from ...optim.hparams import step_hparams
 
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")
@@ -58,7 +58,7 @@ class _GroupCache:
     """Launch plans and step counters of the stepping params of one param group."""
 
     def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor]):
-        from ..kernels import LaunchPlan
+        from .kernels import LaunchPlan
 
         opt = engine.optimizer
         self.members = members
@@ -97,7 +97,7 @@ class TritonEngine:
 
     def __init__(self, optimizer):
         try:
-            from .. import kernels  # noqa: F401
+            from . import kernels  # noqa: F401
         except ImportError as e:
             raise RuntimeError(f"engine='triton' needs the triton package ({e}); install apexw_hf[triton]") from e
 
@@ -115,23 +115,23 @@ class TritonEngine:
 
     @staticmethod
     def _check_device(p: torch.Tensor) -> None:
-        from ..kernels import INTERPRETED
+        from .kernels import INTERPRETED
 
         p = dt.local(p)
         if p.device.type == "cuda" and INTERPRETED:
             # The interpreter runs the kernel on the host and would dereference device addresses there (a crash).
             raise RuntimeError(
                 "engine='triton' cannot step CUDA parameters while TRITON_INTERPRET=1: the Triton interpreter runs "
-                "the kernels on CPU tensors only. Unset TRITON_INTERPRET before apexw_hf.kernels is imported, or use "
-                "engine='auto' or 'torch' (the plain-PyTorch path, same results, slower)."
+                "the kernels on CPU tensors only. Unset TRITON_INTERPRET before apexw_hf.engines.triton.kernels is "
+                "imported, or use engine='auto' or 'torch' (the plain-PyTorch path, same results, slower)."
             )
         if p.device.type == "cuda" or (p.device.type == "cpu" and INTERPRETED):
             return
         if p.device.type == "cpu":
             raise RuntimeError(
                 "engine='triton' needs CUDA parameters; CPU parameters run on the kernels only under the Triton "
-                "interpreter (set TRITON_INTERPRET=1 before apexw_hf.kernels is imported). Use engine='torch' or "
-                "'auto' for CPU training."
+                "interpreter (set TRITON_INTERPRET=1 before apexw_hf.engines.triton.kernels is imported). Use "
+                "engine='torch' or 'auto' for CPU training."
             )
         raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
 

@@ -8,7 +8,7 @@ bf16 values travel as their 16 bits (``uint16``).
 import triton
 import triton.language as tl
 
-from .. import _random
+from .... import _random
 
 # The hash's constants come from the one definition of the random streams (apexw_hf/_random.py).
 GOLDEN = tl.constexpr(_random.GOLDEN)

@@ -1,4 +1,4 @@
-"""Elementwise passes of the plain-PyTorch engine (:mod:`apexw_hf.optim.torch_engine`) over one chunk.
+"""Elementwise passes of the plain-PyTorch engine (:mod:`apexw_hf.engines.torch`) over one chunk.
 
 Each function is one piece of ``reference.adamw_step_ref_`` rewritten as in-place or ``out=`` passes over
 preallocated scratch, with the same bits: the random words, stochastic rounding to bf16, and the 8-bit minifloat codes

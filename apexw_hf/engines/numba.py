@@ -1,12 +1,12 @@
 """AdamW step of one chunk with 8-bit or 4-bit state as one fused loop compiled by numba: the engine's CPU path.
 
-:mod:`apexw_hf.optim.torch_engine` plans a param group into chunks (large tensors in place, small ones packed with
+:mod:`apexw_hf.engines.torch` plans a param group into chunks (large tensors in place, small ones packed with
 block padding) and, for ``8bit`` and ``4bit`` state on the CPU with fp32 or bf16 parameters, hands each chunk to
 :func:`step_chunk` when numba is installed (``pip install "apexw_hf[cpu]"``; numba ships LLVM in its wheel, so no
 compiler is needed). Each block (:data:`~apexw_hf.reference.BLOCK` or :data:`~apexw_hf.reference.BLOCK4` elements)
 is then read once and written once: decode both moments, the update, the random word, the parameter's rounding, the
 block scales and the new codes, in one pass over the chunk, the blocks split over ``torch.get_num_threads()``
-threads. The torch passes of :mod:`apexw_hf.optim.torch_passes` (about 64 operations per 8-bit chunk, each ending in
+threads. The torch passes of :mod:`apexw_hf.engines.torch_passes` (about 64 operations per 8-bit chunk, each ending in
 a barrier of the threads) remain the path without numba, on CUDA, and for the other formats and fp16 parameters.
 
 The bits are those of ``reference.adamw_step_ref_`` (``tests/optim/test_numba_engine.py``): every fp32 operation is
@@ -44,7 +44,7 @@ from numba.extending import intrinsic
 
 from .. import _random as rnd
 from .. import reference as ref
-from .state import SCALE_KEYS, moment_keys
+from ..optim.state import SCALE_KEYS, moment_keys
 
 if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only in compiled code
     raise ImportError("numba's JIT is disabled (NUMBA_DISABLE_JIT)")
@@ -472,14 +472,17 @@ def set_threads() -> int:
     return n
 
 
-def warm_up() -> float:
+def warm_up(optimizer_cls) -> float:
     """Compile both kernels, or load them from numba's disk cache, so that no training run's first step does; the
-    seconds it took. The comparison runner calls it once before a CPU grid's runs (each run is a new process)."""
-    from .base import ApexW
+    seconds it took. The comparison runner calls it once before a CPU grid's runs (each run is a new process).
 
+    Args:
+        optimizer_cls: the optimizer class whose step compiles them (``apexw_hf.optim.ApexW``), passed in so that
+            this module, which the optimizer's engine imports, does not import the optimizer back.
+    """
     t0 = time.perf_counter()
     for fmt in FORMATS:
         p = torch.nn.Parameter(torch.zeros(300))
         p.grad = torch.zeros(300)
-        ApexW([p], state_format=fmt, engine="torch").step()
+        optimizer_cls([p], state_format=fmt, engine="torch").step()
     return time.perf_counter() - t0

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import triton
 
-from .._random import mix32, tensor_key, to_int32
+from ...._random import mix32, tensor_key, to_int32
 from . import adamw
 from .adamw import NUM_ADDR_ROWS, WORK_GROUP, _adamw_kernel
 

@@ -1,0 +1,162 @@
+"""No module of ``apexw_hf`` imports one that imports it back (issue 28: the engines behind one interface, no circle).
+
+The test reads the import statements with ``ast`` (nothing is imported), resolves relative and absolute imports of
+``apexw_hf`` modules to the module they name, and fails on any cycle between modules, listing it.
+
+What counts as an edge ``a -> b``:
+
+- Every ``import`` / ``from ... import`` statement anywhere in ``a``: at module level, and also inside functions,
+  methods and ``if TYPE_CHECKING:`` blocks. A lazy import is still a dependency (it runs on the first call, and a
+  circle through it means that neither module can be read, tested or moved without the other); the circle that
+  issue 28 names, ``optim.base -> optim.torch_engine -> optim.numba_engine -> optim.base``, consisted only of
+  function-level imports, and it broke nothing at import time, which is exactly why it went unnoticed.
+- ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
+- Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.state`` runs ``apexw_hf/__init__``
+  first) does not count: ``apexw_hf/__init__`` imports the public names from everywhere by design, so every module
+  would be in one circle with it, and that order is Python's, not a dependency the importing module chose.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "apexw_hf"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """``name``, or its longest prefix that is a module of the package (``a.b.attr`` -> ``a.b``)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in its source)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                targets = [f"{source}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                resolved = _resolve(target, modules)
+                if resolved is not None and resolved != mod:
+                    edges.add(resolved)
+        graph[mod] = edges
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``[a, b, ..., a]``) per strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+
+    cycles = []
+    for comp in components:
+        start = min(comp)
+        # shortest path back to start inside the component (breadth first)
+        prev = {start: None}
+        queue = [start]
+        end = None
+        while queue and end is None:
+            v = queue.pop(0)
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    end = v
+                    break
+                if w not in prev:
+                    prev[w] = v
+                    queue.append(w)
+        path = []
+        while end is not None:  # end, its predecessor, ..., start
+            path.append(end)
+            end = prev[end]
+        cycles.append(path[::-1] + [start])
+    return cycles
+
+
+def test_the_resolver_sees_relative_absolute_and_lazy_imports():
+    graph = import_graph()
+    assert "apexw_hf.reference" in graph["apexw_hf.optim.base"]  # from .. import reference as ref
+    assert "apexw_hf.optim.base" in graph["apexw_hf.optim.compact"]  # from .base import ApexW
+    assert "apexw_hf.accounting" in graph["apexw_hf.optim.base"]  # inside a method
+    assert "apexw_hf.optim" in graph["apexw_hf.integrations.accelerate"]  # from ..optim import ApexW (a name)
+
+
+def test_find_cycles_lists_the_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycles(graph) == [["a", "b", "c", "a"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    cycles = find_cycles(import_graph())
+    assert not cycles, "import cycles between apexw_hf modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_importing_the_package_imports_no_engine():
+    """The engines are imported on an optimizer's first step: ``import apexw_hf`` loads neither triton nor numba (so
+    ``TRITON_INTERPRET`` set after it still applies) nor any engine module."""
+    code = (
+        "import sys, apexw_hf; "
+        "print(sorted(m for m in sys.modules if m in ('triton', 'numba') or m.startswith('apexw_hf.engines.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
