@@ -19,9 +19,12 @@ What counts as an edge ``a -> b``:
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "apexw_hf"
@@ -149,6 +152,30 @@ def test_find_cycles_lists_the_circle():
 def test_no_import_cycles():
     cycles = find_cycles(import_graph())
     assert not cycles, "import cycles between apexw_hf modules:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# Paths that moved (issue 28, item 3): each old one is the new module under its old name, not a copy.
+OLD_PATHS = {
+    "apexw_hf.kernels": "apexw_hf.engines.triton.kernels",
+    "apexw_hf.kernels.launch": "apexw_hf.engines.triton.kernels.launch",
+    "apexw_hf.kernels.adamw": "apexw_hf.engines.triton.kernels.adamw",
+    "apexw_hf.kernels._quant": "apexw_hf.engines.triton.kernels._quant",
+    "apexw_hf.kernels._rounding": "apexw_hf.engines.triton.kernels._rounding",
+    "apexw_hf.optim.engine": "apexw_hf.engines.triton.engine",
+    "apexw_hf.optim.torch_engine": "apexw_hf.engines.torch",
+    "apexw_hf.optim.torch_passes": "apexw_hf.engines.torch_passes",
+    "apexw_hf.optim.numba_engine": "apexw_hf.engines.numba",
+}
+
+
+@pytest.mark.parametrize("old", sorted(OLD_PATHS))
+def test_old_import_paths_are_the_new_modules(old):
+    new = OLD_PATHS[old]
+    if "kernels" in new:
+        pytest.importorskip("triton")
+    if new.endswith("numba"):
+        pytest.importorskip("numba")
+    assert importlib.import_module(old) is importlib.import_module(new)
 
 
 def test_importing_the_package_imports_no_engine():
