@@ -16,7 +16,7 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
-from .release import DEFAULT_BUCKET_SIZE, GradientRelease
+from .release import DEFAULT_BUCKET_SIZE, GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
 
@@ -61,9 +61,9 @@ class ApexW(torch.optim.Optimizer):
             gradients. The updates are bit-identical to ``step()``'s for the same gradients; ``step()`` still closes
             each step and must follow every backward pass (no gradient accumulation, no GradScaler, no DDP; FSDP2
             works). Per optimizer, not per param group.
-        max_grad_norm: with ``gradient_release``, clip the gradients to this global norm in backward, using the
-            larger of the previous step's global norm and the norm released so far (see
-            :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
+        max_grad_norm: with ``gradient_release``, clip the gradients to this global norm in backward, using an
+            estimate of the step's norm from the part released so far and that part's share of the previous step's
+            norm (see :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
         release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch.
 
@@ -388,7 +388,8 @@ class ApexW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.Optimizer.state_dict``; with ``gradient_release`` also ``"gradient_release"``: the last global
-        gradient norm (a float), which the next step's clipping uses, so a resumed run clips as an unbroken one."""
+        gradient norm and partial sums (floats), which the next step's clipping uses, so a resumed run clips as an
+        unbroken one (a JSON copy also goes into the first param group, which torch.distributed.checkpoint keeps)."""
         out = super().state_dict()
         if self._release is not None:
             out["gradient_release"] = self._release.state()
@@ -447,7 +448,9 @@ class ApexW(torch.optim.Optimizer):
                 raise ValueError("cannot load a state dict with amsgrad=True: ApexW has no max_exp_avg_sq")
         groups = []
         for saved, ours in zip(saved_groups, self.param_groups):
-            group = copy.deepcopy({k: v for k, v in saved.items() if k != "params" and k not in _TORCH_ONLY_KEYS})
+            # the gradient-release copy in the first group is read by release.py's load hook, not a hyperparameter
+            skip = (*_TORCH_ONLY_KEYS, GROUP_STATE_KEY)
+            group = copy.deepcopy({k: v for k, v in saved.items() if k != "params" and k not in skip})
             group["params"] = ours["params"]
             if "param_names" in ours and "param_names" not in group:
                 group["param_names"] = ours["param_names"]

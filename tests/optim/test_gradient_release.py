@@ -247,3 +247,19 @@ def test_release_on_cuda_kernels_is_bit_identical(fmt):
             opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_release_checkpoint_loads_into_an_optimizer_without_release():
+    """The clipping state travels with a release checkpoint; an optimizer without release ignores it (no stray
+    param-group key), and the moments carry over."""
+    a = make()
+    oa = ApexW(groups(a), state_format="8bit", gradient_release=True, max_grad_norm=1.0)
+    train(a, oa, 2)
+    b = make()
+    ob = ApexW(groups(b), state_format="8bit")
+    ob.load_state_dict(oa.state_dict())
+    assert all("gradient_release_state" not in g for g in ob.param_groups)
+    assert "gradient_release" not in ob.state_dict()
+    for p, q in zip(a.parameters(), b.parameters()):
+        if p.requires_grad:
+            assert torch.equal(oa.state[p]["exp_avg"], ob.state[q]["exp_avg"])
