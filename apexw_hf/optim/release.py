@@ -91,10 +91,10 @@ class GradientRelease:
         self._queued = False
         self._stepped: set[int] = set()
         self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
-        self.prev_norm: torch.Tensor | None = None  # the last finished step's global norm (for clipping)
         self._cum: list[torch.Tensor] = []  # this step's sum of squares after each bucket
         self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
-        self.grad_norm: torch.Tensor | None = None  # the same, as reported
+        # the last finished step's global norm: reported, and the next step's clipping estimate uses it
+        self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
         ref = weakref.ref(self)
         self._state_dict_hooks = [
@@ -219,16 +219,16 @@ class GradientRelease:
         if self.max_grad_norm is None:
             return None
         k = len(self._cum) - 1
-        if self.prev_norm is not None and k < len(self._prev_cum):
+        if self.grad_norm is not None and k < len(self._prev_cum):
             # this step's norm, estimated from its released part and the previous step's share of that part
-            prev_total = self.prev_norm.to(self._sumsq.device).square()
+            prev_total = self.grad_norm.to(self._sumsq.device).square()
             share = self._prev_cum[k].to(self._sumsq.device) / prev_total
             estimate = torch.where(share > 0, self._sumsq / share, self._sumsq)
             norm = torch.maximum(estimate, self._sumsq).sqrt()
         else:
             norm = self._sumsq.sqrt()
-            if self.prev_norm is not None:
-                norm = torch.maximum(norm, self.prev_norm.to(norm.device, non_blocking=True))
+            if self.grad_norm is not None:
+                norm = torch.maximum(norm, self.grad_norm.to(norm.device, non_blocking=True))
         coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         # A non-finite norm (inf/NaN gradient in this bucket or an earlier one): later buckets get a zero gradient.
         coef = torch.nan_to_num(coef, nan=0.0)
@@ -261,7 +261,6 @@ class GradientRelease:
         self.flush(extra)
         if self._sumsq is not None:
             self.grad_norm = self._sumsq.sqrt()
-            self.prev_norm = self.grad_norm
             self._prev_cum = self._cum
         self._sumsq = None
         self._cum = []
@@ -270,7 +269,7 @@ class GradientRelease:
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
-        norm = None if self.prev_norm is None else float(self.prev_norm)
+        norm = None if self.grad_norm is None else float(self.grad_norm)
         return {"prev_grad_norm": norm, "prev_partial_sumsq": [float(c) for c in self._prev_cum]}
 
     def load(self, saved: dict | None, device: torch.device | None) -> None:
@@ -281,10 +280,10 @@ class GradientRelease:
         if not isinstance(partial, (list, tuple)) or not all(isinstance(x, (int, float)) for x in partial):
             raise ValueError(f"gradient_release state: prev_partial_sumsq must be a list of floats, got {partial!r}")
         if norm is None:
-            self.prev_norm = self.grad_norm = None
+            self.grad_norm = None
         else:
             t = torch.tensor(float(norm), dtype=torch.float32, device=device)
-            self.prev_norm = self.grad_norm = t
+            self.grad_norm = t
         self._prev_cum = [torch.tensor(float(x), dtype=torch.float32, device=device) for x in partial]
 
 

@@ -166,7 +166,7 @@ def _resume_with_clipping(world, rank, out, data, full):
         target = {"optim": get_optimizer_state_dict(model2, opt2)}
         dcp.load(target, checkpoint_id=ckpt)
         set_optimizer_state_dict(model2, opt2, target["optim"])
-    restored = opt2._release.state() == opt._release.state() and opt._release.prev_norm is not None
+    restored = opt2._release.state() == opt._release.state() and opt._release.grad_norm is not None
     _train_released(model2, opt2, data[2:])
     resumed = w.gathered_params(model2)
     return {"equal": all(torch.equal(a, b) for a, b in zip(unbroken, resumed)), "norm_restored": restored}
