@@ -4,6 +4,7 @@
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh speed   $OUT   # smoke of every stack, then memory/speed
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT [apexw-compare args]   # >= 1,000 steps
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh steady  $OUT   # steps/s target, then the Unsloth smoke
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh memory  $OUT   # gradient release: what fits where
 # One call holds the four cells the targets are about, 2 seeds x 2 learning rates (16 runs, 8 at a time):
 #   ... quality $OUT --optimizers adamw_torch_fused@fp32,adamw_torch_fused@bf16,apexw_8bit@bf16,apexw_compact@bf16
 # and a second call the three others (adamw_8bit@fp32,adamw_8bit@bf16,apexw_8bit@fp32) into another --output-dir.
@@ -14,6 +15,10 @@
 #          first 10% of steps); then the smoke's SMOKE_STACKS (unsloth,fp16) within SMOKE_SECONDS (280).
 # quality: configs/llama32_1b_full_h200.yaml, 4 runs sharing the GPU (peak memory is per process; steps/s there are
 #          measured under sharing and are not the speed result).
+# memory:  scripts/bench_full_finetune_memory.py through the Trainer: 1B shapes, each apexw format with and without
+#          gradient release (+ Liger) and torch fused @fp32, MEMORY_STEPS_1B (60) steps; then 8B and 3B shapes, the
+#          release + Liger cells and torch fused @fp32, 20 steps; then the 1B 4-bit pair again (a second sample of
+#          the speed ratio, taken after the others); each within MEMORY_SECONDS (520) in all.
 # Each part leaves a tarball of its output directory and its log under $OUT.
 set -uo pipefail
 part=${1:?speed or quality}
@@ -50,6 +55,21 @@ case $part in
       2>&1 | tee "$out/quality.log" | grep -v "^{'loss'" | tail -60
     python3 -m apexw_hf.recipe.compare configs/llama32_1b_full_h200.yaml "${@:3}" --report-only > /dev/null 2>&1
     tar czf "$out/quality.tgz" --exclude=base --exclude=trainer runs/llama32_1b_full_h200
+    ;;
+  memory)
+    start=$SECONDS
+    left() { echo $(( ${MEMORY_SECONDS:-520} - (SECONDS - start) )); }
+    b=scripts/bench_full_finetune_memory.py
+    pair4=apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16
+    python3 $b --shapes 1b --steps "${MEMORY_STEPS_1B:-60}" --warmup 10 --timeout 120 --out runs/memory_1b \
+      --cells $pair4,apexw_8bit+liger@bf16,apexw_8bit_release+liger@bf16,torch_fused@fp32 2>&1 | tee "$out/memory.log"
+    python3 $b --shapes 8b,3b --steps 20 --warmup 4 --timeout 120 --out runs/memory_8b_3b \
+      --cells apexw_4bit_release+liger@bf16,apexw_8bit_release+liger@bf16,torch_fused@fp32 2>&1 | tee -a "$out/memory.log"
+    if [ "$(left)" -gt 80 ]; then
+      python3 $b --shapes 1b --steps "${MEMORY_STEPS_1B:-60}" --warmup 10 --timeout 60 --out runs/memory_1b_again \
+        --cells $pair4 2>&1 | tee -a "$out/memory.log"
+    fi
+    tar czf "$out/memory.tgz" --exclude=trainer runs/memory_1b runs/memory_8b_3b runs/memory_1b_again
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
