@@ -99,7 +99,15 @@ def run_one(cell: str, shape: str, args) -> dict:
     else:
         raise SystemExit(f"unknown optimizer {optim!r}")
 
-    times, grads_alive = [], []
+    times, grads_alive, release_marks = [], [], []
+    prof = None
+    if args.profile:
+        # a few steps after the warm-up: where the host and the GPU spend each step (the release flushes run on the
+        # autograd thread inside backward; a GPU waiting on them shows as device time well under the step's wall time)
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       schedule=schedule(wait=args.warmup, warmup=2, active=args.profile, repeat=1))
 
     class Probe(TrainerCallback):
         def on_pre_optimizer_step(self, a, state, control, model=None, **k):
@@ -108,13 +116,31 @@ def run_one(cell: str, shape: str, args) -> dict:
         def on_step_end(self, a, state, control, **k):
             torch.cuda.synchronize()
             times.append(time.perf_counter())
+            release = getattr(getattr(trainer.optimizer, "optimizer", trainer.optimizer), "_release", None)
+            if release is not None:
+                release_marks.append((release.flushes, release.host_seconds))
+            if prof is not None:
+                prof.step()
 
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Tokens(), callbacks=[Probe()], **kw)
+    if prof is not None:
+        prof.start()
     trainer.train()
     opt = trainer.optimizer
     inner = getattr(opt, "optimizer", opt)
-    steps = [b - a for a, b in zip(times, times[1:])][args.warmup - 1:]
+    all_steps = [b - a for a, b in zip(times, times[1:])]
+    steps = all_steps[args.warmup - 1:]
+    release = {}
+    if len(release_marks) > args.warmup:
+        (f0, h0), (f1, h1) = release_marks[args.warmup - 1], release_marks[-1]
+        n = len(release_marks) - args.warmup
+        release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n}
+    profile_file = None
+    if prof is not None:
+        prof.stop()
+        profile_file = _write_profile(prof, Path(args.out) / f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}"
+                                      f".profile.txt", args.profile, all_steps)
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     return {
         "shape": shape, "cell": cell, "optimizer": optim, "liger": liger, "model_dtype": dtype_name,
@@ -122,12 +148,27 @@ def run_one(cell: str, shape: str, args) -> dict:
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "s_per_step": statistics.median(steps) if steps else None,
+        "step_s": [round(t, 5) for t in all_steps],
+        **release,
+        "profile": profile_file,
         "optimizer_state_mib": apexw_hf.optimizer_state_bytes(inner) / 2**20,
         "gradient_release": bool(getattr(inner, "gradient_release", False)),
         "grads_alive_before_step": grads_alive[-1] if grads_alive else None,
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
         "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
+
+
+def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
+    """The profiled steps' operators by self CUDA and self CPU time, and the GPU's busy time per step."""
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / steps
+    lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
+             f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
+    lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    lines.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    path.write_text("\n".join(lines))
+    return path.name
 
 
 def provenance() -> dict:
@@ -164,6 +205,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--out", default="runs/full_memory")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--profile", type=int, default=0, help="profile this many steps after the warm-up (torch.profiler)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = Path(args.out)
@@ -177,7 +219,8 @@ def main() -> None:
     for shape in args.shapes.split(","):
         for cell in args.cells.split(","):
             cmd = [sys.executable, __file__, "--run", f"{shape}:{cell}", "--out", str(out), "--seq", str(args.seq),
-                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--profile", str(args.profile)]
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -195,7 +238,8 @@ def main() -> None:
             rows.append(row)
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', float('nan')):7.2f} GiB  reserved "
                   f"{row.get('peak_reserved_gib', float('nan')):7.2f}  s/step {row.get('s_per_step') or float('nan'):.3f}"
-                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fits(row['peak_reserved_gib']) if 'peak_reserved_gib' in row else '-'}"
+                  f"  grads@step {row.get('grads_alive_before_step')}"
+                  f"{'  release %.1f flushes %.1f host ms/step' % (row['release_flushes_per_step'], row['release_host_ms_per_step']) if 'release_flushes_per_step' in row else ''}"  fits {fits(row['peak_reserved_gib']) if 'peak_reserved_gib' in row else '-'}"
                   f"  {row.get('error', '')}", flush=True)
     keys = ["shape", "cell", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step", "optimizer_state_mib",
             "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit", "date", "error"]

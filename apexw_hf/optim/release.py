@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 import weakref
 from collections.abc import Callable
 
@@ -96,6 +97,7 @@ class GradientRelease:
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
+        self.host_seconds = 0.0  # host time spent in flushes since construction (a diagnostic: it runs in backward)
         ref = weakref.ref(self)
         self._state_dict_hooks = [
             optimizer.register_state_dict_post_hook(functools.partial(_state_dict_post_hook, ref)),
@@ -186,6 +188,7 @@ class GradientRelease:
         self._pending, self._pending_numel = [], 0
         if not params:
             return
+        t0 = time.perf_counter()
         opt = self._opt_ref()
         grads = [p.grad for p in params]
         coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
@@ -207,6 +210,7 @@ class GradientRelease:
             p.grad = None
         self._stepped.update(key)
         self.flushes += 1
+        self.host_seconds += time.perf_counter() - t0
 
     def _account(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
         """Add this bucket's squared norm to the step's; the clip coefficient for it (None without clipping)."""
