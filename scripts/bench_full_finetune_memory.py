@@ -236,11 +236,13 @@ def main() -> None:
                 (out / f"{shape}_{cell}.err.txt").write_text(err)
             row["wall_s"] = round(time.time() - t0, 1)
             rows.append(row)
+            rel = ""
+            if "release_flushes_per_step" in row:
+                rel = f"  release: {row['release_flushes_per_step']:.1f} flushes, {row['release_host_ms_per_step']:.1f} host ms/step"
+            fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', float('nan')):7.2f} GiB  reserved "
                   f"{row.get('peak_reserved_gib', float('nan')):7.2f}  s/step {row.get('s_per_step') or float('nan'):.3f}"
-                  f"  grads@step {row.get('grads_alive_before_step')}"
-                  f"{'  release %.1f flushes %.1f host ms/step' % (row['release_flushes_per_step'], row['release_host_ms_per_step']) if 'release_flushes_per_step' in row else ''}"  fits {fits(row['peak_reserved_gib']) if 'peak_reserved_gib' in row else '-'}"
-                  f"  {row.get('error', '')}", flush=True)
+                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}", flush=True)
     keys = ["shape", "cell", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step", "optimizer_state_mib",
             "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit", "date", "error"]
     with open(out / "results.csv", "a", newline="") as f:
