@@ -273,10 +273,16 @@ def v4_warp_scaled(y, one_f32):
     reference's integer sum carries into it). For subnormal ``y`` and 0 that power is 0, where the reference's
     result is the subnormal with ``w``'s mantissa (``2**-126`` for ``w = 2``): either way at most ``2**-126``, and
     times ``2**-112`` the same +0. The multiplication by ``2**-112`` then rounds the same value as the reference's.
+
+    ``f`` itself is never formed: each product ``f * s`` is ``fma(1 + f, s, -s)``, whose exact value ``(1 + f) * s -
+    s`` is ``f * s`` (the reference's ``f = (1 + f) - 1`` is exact), rounded once as the reference's product; at
+    ``f = 0`` it gives +0 where the reference may give -0, which the following addition of a nonzero constant absorbs.
     """
     b = f32_bits(y)
-    f = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True) - 1.0
-    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    x = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)  # 1 + f
+    t = V4_LOG_B + tl.fma(x, V4_LOG_C, -V4_LOG_C)
+    t = V4_LOG_A + tl.fma(x, t, -t)
+    w = 1.0 + tl.fma(x, t, -t)
     return (w * (b & 0x7F800000).to(tl.float32, bitcast=True)) * TWO_POW_M112
 
 
