@@ -162,7 +162,10 @@ def run_one(cell: str, shape: str, args) -> dict:
 def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
     """The profiled steps' operators by self CUDA and self CPU time, and the GPU's busy time per step."""
     events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events) / steps
+    from torch.autograd import DeviceType
+
+    # kernels only (an operator's row repeats the time of the kernels it launched)
+    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
     lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
              f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
     lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))

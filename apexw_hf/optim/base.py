@@ -102,7 +102,7 @@ class ApexW(torch.optim.Optimizer):
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self._check_release_args(gradient_release, max_grad_norm, release_bucket_size)
         self._param_index: dict[torch.Tensor, int] = {}
-        self._group_index: dict[int, dict] = {}
+        self._group_index: dict[int, tuple[int, int]] = {}
         self._engine = None
         self._cpu_engine = None
         self._release: GradientRelease | None = None
@@ -340,14 +340,25 @@ class ApexW(torch.optim.Optimizer):
             self._release = None
             self.__dict__.pop("_step_supports_amp_scaling", None)
 
+    def _group_slot(self, p: torch.Tensor) -> tuple[int, int]:
+        """``(group index, index in the group's params)`` of ``p``: O(1) per call (gradient release asks it for every
+        gradient inside backward), checked against the current ``param_groups`` and rebuilt when they changed."""
+        slot = self._group_index.get(id(p))
+        if slot is not None:
+            gi, pi = slot
+            groups = self.param_groups
+            if gi < len(groups):
+                params = groups[gi]["params"]
+                if pi < len(params) and params[pi] is p:
+                    return slot
+        self._group_index = {id(q): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])}
+        slot = self._group_index.get(id(p))
+        if slot is None:
+            raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
+        return slot
+
     def _group_of(self, p: torch.Tensor) -> dict:
-        group = self._group_index.get(id(p))
-        if group is None or not any(q is p for q in group["params"]):
-            self._group_index = {id(q): g for g in self.param_groups for q in g["params"]}
-            group = self._group_index.get(id(p))
-            if group is None:
-                raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
-        return group
+        return self.param_groups[self._group_slot(p)[0]]
 
     def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
         engines.engine_for(self, group, params).step_group(group, params, grads, bucket)

@@ -94,6 +94,8 @@ class GradientRelease:
         self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
         self._cum: list[torch.Tensor] = []  # this step's sum of squares after each bucket
         self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
+        self._shares: torch.Tensor | None = None  # this step: each bucket's share of the last step's squared norm
+        self._share_pos: torch.Tensor | None = None
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
@@ -190,22 +192,26 @@ class GradientRelease:
             return
         t0 = time.perf_counter()
         opt = self._opt_ref()
+        # In param-group order: each bucket's tensors then come in the order of the engine's cached launch plan for
+        # them (its fast path), whatever order backward completed them in.
+        slot = opt._group_slot
+        slots = [slot(p) for p in params]
+        order = sorted(range(len(params)), key=slots.__getitem__)
+        params = [params[i] for i in order]
         grads = [p.grad for p in params]
         coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
         if coef is not None:
             torch._foreach_mul_([dt.local(g) for g in grads], coef)
         key = tuple(map(id, params))
-        group_of = opt._group_of
-        by_group: dict[int, tuple[dict, list, list]] = {}
-        for p, g in zip(params, grads):
-            group = group_of(p)
-            entry = by_group.get(id(group))
-            if entry is None:
-                entry = by_group[id(group)] = (group, [], [])
-            entry[1].append(p)
-            entry[2].append(g)
-        for group, ps, gs in by_group.values():
-            opt._step_params(group, ps, gs, bucket=key)
+        groups = opt.param_groups
+        start = 0
+        while start < len(params):
+            gi = slots[order[start]][0]
+            end = start + 1
+            while end < len(params) and slots[order[end]][0] == gi:
+                end += 1
+            opt._step_params(groups[gi], params[start:end], grads[start:end], bucket=key)
+            start = end
         for p in params:
             p.grad = None
         self._stepped.update(key)
@@ -224,10 +230,13 @@ class GradientRelease:
             return None
         k = len(self._cum) - 1
         if self.grad_norm is not None and k < len(self._prev_cum):
-            # this step's norm, estimated from its released part and the previous step's share of that part
-            prev_total = self.grad_norm.to(self._sumsq.device).square()
-            share = self._prev_cum[k].to(self._sumsq.device) / prev_total
-            estimate = torch.where(share > 0, self._sumsq / share, self._sumsq)
+            # this step's norm, estimated from its released part and the previous step's share of that part (the
+            # shares of every bucket: one division per step, at its first bucket)
+            if k == 0 or self._shares is None:
+                prev_total = self.grad_norm.to(self._sumsq.device).square()
+                self._shares = torch.stack(self._prev_cum).to(self._sumsq.device) / prev_total
+                self._share_pos = self._shares > 0
+            estimate = torch.where(self._share_pos[k], self._sumsq / self._shares[k], self._sumsq)
             norm = torch.maximum(estimate, self._sumsq).sqrt()
         else:
             norm = self._sumsq.sqrt()
