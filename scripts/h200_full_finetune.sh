@@ -5,6 +5,7 @@
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh quality $OUT [apexw-compare args]   # >= 1,000 steps
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh steady  $OUT   # steps/s target, then the Unsloth smoke
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh memory  $OUT   # gradient release: what fits where
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh release_speed $OUT   # release vs none, 1B, in rounds
 # One call holds the four cells the targets are about, 2 seeds x 2 learning rates (16 runs, 8 at a time):
 #   ... quality $OUT --optimizers adamw_torch_fused@fp32,adamw_torch_fused@bf16,apexw_8bit@bf16,apexw_compact@bf16
 # and a second call the three others (adamw_8bit@fp32,adamw_8bit@bf16,apexw_8bit@fp32) into another --output-dir.
@@ -19,6 +20,9 @@
 #          gradient release (+ Liger) and torch fused @fp32, MEMORY_STEPS_1B (60) steps; then 8B and 3B shapes, the
 #          release + Liger cells and torch fused @fp32, 20 steps; then the 1B 4-bit pair again (a second sample of
 #          the speed ratio, taken after the others); each within MEMORY_SECONDS (520) in all.
+# release_speed: the 1B speed target of gradient release (s/step within 1.05x of the same optimizer without it):
+#          apexw_8bit and apexw_4bit + Liger, each without and with release, RELEASE_ROUNDS (2) rounds of the four
+#          cells one after the other (pairs side by side in time), RELEASE_STEPS (50) steps each, 10 of warm-up.
 # Each part leaves a tarball of its output directory and its log under $OUT.
 set -uo pipefail
 part=${1:?speed or quality}
@@ -70,6 +74,15 @@ case $part in
         --cells $pair4 2>&1 | tee -a "$out/memory.log"
     fi
     tar czf "$out/memory.tgz" --exclude=trainer runs/memory_1b runs/memory_8b_3b runs/memory_1b_again
+    ;;
+  release_speed)
+    for r in $(seq 1 "${RELEASE_ROUNDS:-2}"); do
+      python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps "${RELEASE_STEPS:-50}" --warmup 10 --timeout 90 \
+        --out "runs/release_speed_r$r" \
+        --cells apexw_8bit+liger@bf16,apexw_8bit_release+liger@bf16,apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 \
+        2>&1 | tee -a "$out/release_speed.log"
+    done
+    tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_speed_r*
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
