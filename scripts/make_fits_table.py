@@ -1,7 +1,7 @@
 """The "what fits where" tables of README.md and docs/full_finetune.md, from stored H200 runs.
 
 Reads every ``*.json`` run of ``scripts/bench_full_finetune_memory.py`` under
-``docs/results/gradient_release_h200/memory_*`` and writes two tables between ``<!-- fits-table -->`` and
+``docs/results/gradient_release_h200/memory_*`` (the latest run of each cell) and writes two tables between ``<!-- fits-table -->`` and
 ``<!-- /fits-table -->`` markers: a short one for the README (the headline cells) and a full one for
 docs/full_finetune.md (every cell, allocated and reserved GiB, s/step, state, the run's commit).
 
@@ -44,7 +44,9 @@ def load_runs() -> dict[tuple[str, str], dict]:
     for path in sorted(RUNS.glob("memory_*/*.json")):
         row = json.loads(path.read_text())
         row["source"] = path.parent.name
-        runs[(row["shape"], row["cell"])] = row
+        key = (row["shape"], row["cell"])
+        if key not in runs or row.get("date", "") >= runs[key].get("date", ""):
+            runs[key] = row  # the latest run of a cell (re-measured after a change)
     return runs
 
 
