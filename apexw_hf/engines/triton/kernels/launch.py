@@ -75,17 +75,6 @@ LAUNCH_CONFIG = {
     "4bit": {4: (1, 1), 2: (1, 1)},
 }
 
-# Register cap per thread (ptxas .maxnreg) for the default tile, by (format, parameter dtype, stochastic parameter
-# rounding, whole rows, per-tensor steps). 4-bit state (format version 2) with bf16 parameters rounded stochastically keeps the moments'
-# random word alive until the parameter's rounding and takes 80 registers (sm_90, 1 x 256, one warp; 70 without that
-# word), so 25 one-warp programs fit an SM's 64K registers, against 28 for version 1's 68 (allocated in steps of 8).
-# H200, scripts/bench_step.py at c7b1d66 against a329abf, one process each: 4 x 8192^2 bf16 1.129 ms against 0.967
-# (the kernel at 13db4db, with 3% more instructions, took 1.121 ms in another run: not bound by instructions), while
-# fp32 parameters, 72 registers and 28 programs in both versions, took 1.133 against 1.050. Capped at 72: 28 programs,
-# one value spilled and reloaded (8 bytes of stack), 1031 instructions per program instead of 1004. The cap changes
-# register allocation only, never a result; not yet timed on a GPU.
-MAX_REGISTERS = {("4bit", torch.bfloat16, True, True, False): 72}
-
 _STATE_DTYPES = {
     "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
     "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
@@ -272,14 +261,11 @@ class LaunchPlan:
         if compiled is not None:
             compiled[(self.num_work, 1, 1)](*args, *constexprs)
             return
-        default_tile = (self.rows, self.num_warps) == LAUNCH_CONFIG[self.fmt][self.param_dtype.itemsize]
-        key = (self.fmt, self.param_dtype, bool(stochastic_param), self.even, bool(per_tensor_step))
         compiled = _adamw_kernel[(self.num_work,)](
             *args,
             **dict(zip(_CONSTEXPR_NAMES, constexprs)),
             num_warps=self.num_warps,
             enable_fp_fusion=False,
-            maxnreg=MAX_REGISTERS.get(key) if default_tile else None,
         )
         if not INTERPRETED:  # the interpreter has no compiled kernel; every launch goes through it
             self._compiled[constexprs] = compiled
