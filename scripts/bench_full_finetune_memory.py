@@ -116,9 +116,12 @@ def run_one(cell: str, shape: str, args) -> dict:
         def on_step_end(self, a, state, control, **k):
             torch.cuda.synchronize()
             times.append(time.perf_counter())
-            release = getattr(getattr(trainer.optimizer, "optimizer", trainer.optimizer), "_release", None)
+            inner_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            release = getattr(inner_opt, "_release", None)
             if release is not None:
-                release_marks.append((release.flushes, release.host_seconds))
+                # grad_moves: bucket launches whose gradients were at new addresses (checked and copied to the GPU)
+                moves = getattr(getattr(inner_opt, "_engine", None), "grad_moves", 0)
+                release_marks.append((release.flushes, release.host_seconds, moves))
             if prof is not None:
                 prof.step()
 
@@ -133,9 +136,10 @@ def run_one(cell: str, shape: str, args) -> dict:
     steps = all_steps[args.warmup - 1:]
     release = {}
     if len(release_marks) > args.warmup:
-        (f0, h0), (f1, h1) = release_marks[args.warmup - 1], release_marks[-1]
+        (f0, h0, m0), (f1, h1, m1) = release_marks[args.warmup - 1], release_marks[-1]
         n = len(release_marks) - args.warmup
-        release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n}
+        release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n,
+                   "release_grad_moves_per_step": (m1 - m0) / n}
     profile_file = None
     if prof is not None:
         prof.stop()
