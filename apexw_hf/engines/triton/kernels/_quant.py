@@ -273,20 +273,11 @@ def v4_warp_scaled(y, one_f32):
     reference's integer sum carries into it). For subnormal ``y`` and 0 that power is 0, where the reference's
     result is the subnormal with ``w``'s mantissa (``2**-126`` for ``w = 2``): either way at most ``2**-126``, and
     times ``2**-112`` the same +0. The multiplication by ``2**-112`` then rounds the same value as the reference's.
-
-    ``f`` itself is never formed: each product ``f * s`` is ``fma(1 + f, s, -s)``, whose exact value ``(1 + f) * s -
-    s`` is ``f * s`` (the reference's ``f = (1 + f) - 1`` is exact), rounded once as the reference's product; at
-    ``f = 0`` it gives +0 where the reference may give -0, which the following addition of a nonzero constant absorbs.
-    The last addition and the product with ``2**e`` are one ``fma(t, 2**e, 2**e)``: rounding commutes with a power of
-    two while the result is normal (``2**e * (1 + t) >= 2**-126``), and for ``2**e = 0`` both give 0.
     """
     b = f32_bits(y)
-    x = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)  # 1 + f
-    t = V4_LOG_B + tl.fma(x, V4_LOG_C, -V4_LOG_C)
-    t = V4_LOG_A + tl.fma(x, t, -t)
-    t = tl.fma(x, t, -t)  # f * (A + f * (B + C * f))
-    p2 = (b & 0x7F800000).to(tl.float32, bitcast=True)  # 2**e, 0 for subnormal y
-    return tl.fma(t, p2, p2) * TWO_POW_M112
+    f = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True) - 1.0
+    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    return (w * (b & 0x7F800000).to(tl.float32, bitcast=True)) * TWO_POW_M112
 
 
 @triton.jit
