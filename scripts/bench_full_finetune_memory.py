@@ -143,8 +143,8 @@ def run_one(cell: str, shape: str, args) -> dict:
     profile_file = None
     if prof is not None:
         prof.stop()
-        profile_file = _write_profile(prof, Path(args.out) / f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}"
-                                      f".profile.txt", args.profile, all_steps)
+        name = f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}.profile.txt"
+        profile_file = _write_profile(prof, Path(args.out) / name, args.profile, all_steps)
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     return {
         "shape": shape, "cell": cell, "optimizer": optim, "liger": liger, "model_dtype": dtype_name,
@@ -212,7 +212,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--out", default="runs/full_memory")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
-    ap.add_argument("--profile", type=int, default=0, help="profile this many steps after the warm-up (torch.profiler)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile this many steps after the warm-up (torch.profiler)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     out = Path(args.out)
@@ -245,11 +246,14 @@ def main() -> None:
             rows.append(row)
             rel = ""
             if "release_flushes_per_step" in row:
-                rel = f"  release: {row['release_flushes_per_step']:.1f} flushes, {row['release_host_ms_per_step']:.1f} host ms/step"
+                rel = (f"  release: {row['release_flushes_per_step']:.1f} flushes, "
+                       f"{row['release_host_ms_per_step']:.1f} host ms/step")
             fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
-            print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', float('nan')):7.2f} GiB  reserved "
-                  f"{row.get('peak_reserved_gib', float('nan')):7.2f}  s/step {row.get('s_per_step') or float('nan'):.3f}"
-                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}", flush=True)
+            nan = float("nan")
+            print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
+                  f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
+                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}",
+                  flush=True)
     keys = ["shape", "cell", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step", "optimizer_state_mib",
             "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit", "date", "error"]
     with open(out / "results.csv", "a", newline="") as f:

@@ -1,9 +1,9 @@
 """The "what fits where" tables of README.md and docs/full_finetune.md, from stored H200 runs.
 
 Reads every ``*.json`` run of ``scripts/bench_full_finetune_memory.py`` under
-``docs/results/gradient_release_h200/memory_*`` (the latest run of each cell) and writes two tables between ``<!-- fits-table -->`` and
-``<!-- /fits-table -->`` markers: a short one for the README (the headline cells) and a full one for
-docs/full_finetune.md (every cell, allocated and reserved GiB, s/step, state, the run's commit).
+``docs/results/gradient_release_h200/memory_*`` (the latest run of each cell) and writes two tables between
+``<!-- fits-table -->`` and ``<!-- /fits-table -->`` markers: a short one for the README (the headline cells) and a
+full one for docs/full_finetune.md (every cell, allocated and reserved GiB, s/step, state, the run's commit).
 
     python scripts/make_fits_table.py [--check]   # --check: exit 1 if the files are not up to date
 """

@@ -283,7 +283,7 @@ def readme_table() -> str:
     cpu_folders = [cpu, *sorted((RESULTS / "offline_full_extra").glob("*"))] if cpu.exists() else []
     cpu_runs = [r for f in cpu_folders for r in _runs(f) if r.get("status") == "ok"]
     # the 4-bit grids of the same set-up; their torch AdamW runs repeat offline_full's (same seeds, same bits). Only
-    # the current 4-bit format's (version 2: folders v2_*); the other folders hold version 1's runs, kept for the record
+    # the current 4-bit format's (version 2: folders v2_*); the other folders hold version 1's runs, for the record
     cpu_runs += [
         r
         for f in sorted((RESULTS / "offline_full_4bit").glob("v2_*"))

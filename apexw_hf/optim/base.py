@@ -351,14 +351,13 @@ class ApexW(torch.optim.Optimizer):
                 params = groups[gi]["params"]
                 if pi < len(params) and params[pi] is p:
                     return slot
-        self._group_index = {id(q): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])}
+        self._group_index = {
+            id(q): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, q in enumerate(g["params"])
+        }
         slot = self._group_index.get(id(p))
         if slot is None:
             raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
         return slot
-
-    def _group_of(self, p: torch.Tensor) -> dict:
-        return self.param_groups[self._group_slot(p)[0]]
 
     def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
         engines.engine_for(self, group, params).step_group(group, params, grads, bucket)

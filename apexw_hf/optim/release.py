@@ -47,6 +47,7 @@ What needs every gradient at once, and what happens to it here:
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import time
 import weakref
@@ -194,23 +195,17 @@ class GradientRelease:
         opt = self._opt_ref()
         # In param-group order: each bucket's tensors then come in the order of the engine's cached launch plan for
         # them (its fast path), whatever order backward completed them in.
-        slot = opt._group_slot
-        slots = [slot(p) for p in params]
-        order = sorted(range(len(params)), key=slots.__getitem__)
-        params = [params[i] for i in order]
+        slots = sorted((opt._group_slot(p), i) for i, p in enumerate(params))
+        params = [params[i] for _, i in slots]
         grads = [p.grad for p in params]
         coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
         if coef is not None:
             torch._foreach_mul_([dt.local(g) for g in grads], coef)
         key = tuple(map(id, params))
-        groups = opt.param_groups
         start = 0
-        while start < len(params):
-            gi = slots[order[start]][0]
-            end = start + 1
-            while end < len(params) and slots[order[end]][0] == gi:
-                end += 1
-            opt._step_params(groups[gi], params[start:end], grads[start:end], bucket=key)
+        for gi, run in itertools.groupby(slot[0] for slot, _ in slots):
+            end = start + sum(1 for _ in run)
+            opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
             start = end
         for p in params:
             p.grad = None
