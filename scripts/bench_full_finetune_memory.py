@@ -216,6 +216,8 @@ def main() -> None:
                     help="profile this many steps after the warm-up (torch.profiler)")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.profile < 0:
+        ap.error(f"--profile must be 0 (no profile) or a positive number of steps, got {args.profile}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.run:
