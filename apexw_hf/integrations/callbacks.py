@@ -12,7 +12,7 @@ Values (added to the Trainer's training logs):
   the optimizer step (a gradient of every parameter that requires grad, in the gradient's dtype if one is there when
   the log is written, else the parameter's; 0 with gradient release, which frees each gradient in backward), ``S``
   the optimizer-state bytes above and ``N`` the elements of the optimized parameters. A bf16 full fine-tune with
-  ``apexw_4bit`` keeps about 2 + 2 + 1.03 = 5.03 bytes, with release 2 + 0 + 1.03 = 3.03; an fp32 model with torch
+  ``apexw_4bit`` keeps about 2 + 2 + 1.05 = 5.05 bytes, with release 2 + 0 + 1.05 = 3.05; an fp32 model with torch
   AdamW 4 + 4 + 8 = 16. Not counted: activations, frozen (not optimized) weights, and the one bucket of gradients
   that a release holds at a time. Under FSDP2, ``P``, ``G`` and ``N`` count this rank's shards (as ``S`` does), so
   the value is per rank;
