@@ -7,10 +7,12 @@
 #    with V1_DIR set to a checkout of a329abf (the last commit with 4-bit version 1, made beforehand with
 #    `mkdir -p runs/v1_4bit && git archive a329abf apexw_hf scripts | tar -x -C runs/v1_4bit`, carried to the device),
 #    version 1's 4-bit step right
-#    after, for issue 27's speed target (version 2's kernel time within 1.05x of version 1's).
+#    after, for issue 27's speed target (version 2's kernel time within 1.05x of version 1's);
+# 3. register caps of the 4-bit kernel (scripts/four_bit_regcap.py, REGCAP_CAPS, default 72,64) timed against the
+#    compiler's choice, interleaved, with a bit check of each cap.
 # Run from the repository root:  bash scripts/gpu_four_bit_v2_check.sh "$OUT"   (V1_DIR=runs/v1_4bit to add v1)
 # Results: $OUT/gpu.txt, $OUT/kernel_tests.log, $OUT/gpu_marked_tests.log, $OUT/step_4bit_v2.json (+ .log),
-# $OUT/step_4bit_v1.json (+ .log).
+# $OUT/step_4bit_v1.json (+ .log), $OUT/regcap.json (+ .log).
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -41,3 +43,5 @@ if [ -n "${V1_DIR:-}" ]; then
     --deadline "${BENCH_DEADLINE:-240}" --time-budget "${BENCH_BUDGET:-1.5}" --optimizers torch_fused \
     apexw_4bit_triton --out "$out/step_4bit_v1.json") 2>&1 | tee "$out/step_4bit_v1.log" | tail -40
 fi
+timeout "${REGCAP_SECONDS:-150}" python3 scripts/four_bit_regcap.py --caps "${REGCAP_CAPS:-72,64}" \
+  --out "$out/regcap.json" 2>&1 | tee "$out/regcap.log" | tail -12

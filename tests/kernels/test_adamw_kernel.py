@@ -25,12 +25,13 @@ def _run_both(
     hp=HP,
     words=None,
     tile=(None, None),
+    maxnreg=None,
 ):
     """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything.
 
     ``states``: initial states (default: fresh ones); ``hp``: hyperparameters; ``words``: whether the launch must
     (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words; ``tile``:
-    (rows, warps) of the launch (default: launch.LAUNCH_CONFIG).
+    (rows, warps) of the launch (default: launch.LAUNCH_CONFIG); ``maxnreg``: a register cap for the compiler.
     """
     kp = [p.clone() for p in params]
     rp = [p.clone() for p in params]
@@ -58,6 +59,7 @@ def _run_both(
             param_rounding=param_rounding,
             rows=tile[0],
             num_warps=tile[1],
+            maxnreg=maxnreg,
         )
         for p, g, s, i in zip(rp, grads, rs, indices):
             ref.adamw_step_ref_(
@@ -457,3 +459,24 @@ def test_4bit_taller_tiles(pdt, tile):
         params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
         grads = [[_randn(s, torch.float32, gen) for s in shapes] for _ in range(2)]
         _run_both(params, grads, "4bit", words=words, tile=tile)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("pdt", ["fp32", "bf16"])
+def test_register_cap_keeps_the_bits(fmt, pdt):
+    """A register cap (LaunchPlan(maxnreg=...), timed by scripts/four_bit_regcap.py) changes register allocation only:
+    the capped kernel matches the reference bit for bit on both load paths (on a GPU, with spills at 64 for bf16)."""
+    gen = torch.Generator().manual_seed(21)
+    for shapes, words in (([(2048,), (768,), (3, 256)], True), ([(1000,), (128,), (385,)], False)):
+        params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+        grads = [[_randn(s, DTYPES[pdt], gen) for s in shapes] for _ in range(2)]
+        _run_both(params, grads, fmt, words=words, maxnreg=64)
+
+
+def test_register_cap_is_checked():
+    from apexw_hf.engines.triton.kernels import LaunchPlan
+
+    p = torch.zeros(256, device=DEVICE)
+    for bad in (8, 300, 64.0, "64"):
+        with pytest.raises(ValueError, match="maxnreg must be None or an int in 24..255"):
+            LaunchPlan([p], [st.init_state(p, "4bit")], "4bit", [0], 0, torch.float32, maxnreg=bad)

@@ -111,9 +111,11 @@ class LaunchPlan:
         grad_dtype: dtype of the gradients this plan is launched with.
         rows, num_warps: tile height (rows of 256 elements: one 8-bit block or two 4-bit blocks each) and warps
             per program; default by format.
+        maxnreg: a cap on registers per thread for ptxas (None: the compiler's choice). Register allocation only:
+            the bits are the same with any cap. For timing register-limited kernels (scripts/four_bit_regcap.py).
     """
 
-    def __init__(self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None):
+    def __init__(self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None, maxnreg=None):
         if not params:
             raise ValueError("a launch plan needs at least one tensor")
         self.fmt = fmt
@@ -123,6 +125,9 @@ class LaunchPlan:
         cfg_rows, cfg_warps = LAUNCH_CONFIG[fmt][params[0].element_size()]
         self.rows = rows or cfg_rows
         self.num_warps = num_warps or cfg_warps
+        if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+            raise ValueError(f"maxnreg must be None or an int in 24..255 (registers per thread), got {maxnreg!r}")
+        self.maxnreg = maxnreg
         chunk = self.rows * QBLOCK
         block = BLOCK_OF.get(fmt, QBLOCK)
         n = len(params)
@@ -266,6 +271,7 @@ class LaunchPlan:
             **dict(zip(_CONSTEXPR_NAMES, constexprs)),
             num_warps=self.num_warps,
             enable_fp_fusion=False,
+            maxnreg=self.maxnreg,
         )
         if not INTERPRETED:  # the interpreter has no compiled kernel; every launch goes through it
             self._compiled[constexprs] = compiled
@@ -285,12 +291,15 @@ def adamw_step_(
     param_rounding="stochastic",
     rows=None,
     num_warps=None,
+    maxnreg=None,
 ) -> None:
     """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
 
     The same contract as :func:`apexw_hf.reference.adamw_step_ref_` applied to each tensor; for tests and tools.
     """
-    plan = LaunchPlan(params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps)
+    plan = LaunchPlan(
+        params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps, maxnreg=maxnreg
+    )
     for g, p in zip(grads, params):
         if g.dtype != plan.grad_dtype or g.shape != p.shape or not g.is_contiguous():
             raise ValueError("gradients must be contiguous, shaped like their parameters, and of one dtype")
