@@ -11,8 +11,20 @@ Cells are ``<optimizer>[+liger]@<dtype>``, the optimizer one of: ``torch_fused``
 ``bf16_stochastic_round`` on a bf16 model), or any ApexW optim name (``apexw_8bit``, ``apexw_4bit_release``, ...),
 which goes through ``TrainingArguments(optim=...)`` as a user would write it. ``+liger`` sets
 ``use_liger_kernel=True`` (Liger-Kernel's fused linear cross-entropy: the logits are never materialized).
+``torchao_8bit_inbwd`` / ``torchao_4bit_inbwd`` run torchao's optimizers "in backward" by PyTorch's recipe (one
+optimizer per parameter, stepped in its post-accumulate-grad hook with the scheduler's lr, the gradient freed at once;
+:func:`in_backward_optimizer`): the gradient memory of gradient release without ApexW, and without clipping, which
+needs every gradient (those cells run with ``max_grad_norm=0``).
+
+``--optim-args`` passes ``TrainingArguments(optim_args=...)`` to the ApexW cells (``release_bucket_size=8388608``,
+...); ``--tag`` names such a variant in the output files. ``--snapshot`` records the allocator's history over the
+first step after the warm-up and writes ``<run>.peak.txt``: the step's peak replayed from the trace, the bytes
+allocated before the step (weights, optimizer state, ...) and the step's own allocations alive at the peak, grouped
+by the Python frame that made them (:func:`peak_breakdown`).
 
     python3 scripts/bench_full_finetune_memory.py --shapes 1b --cells apexw_8bit@bf16,apexw_8bit_release+liger@bf16
+    python3 scripts/bench_full_finetune_memory.py --shapes 3b --cells apexw_4bit_release+liger@bf16 --snapshot \
+        --optim-args release_bucket_size=8388608 --tag bucket8m
 """
 
 from __future__ import annotations
@@ -42,10 +54,124 @@ GPU_SIZES_GB = (16, 24, 32, 40, 80)
 CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace and what the driver keeps: assumed, not measured per GPU
 
 
+def run_name(shape: str, cell: str, tag: str = "") -> str:
+    """The file name stem of one run: ``3b_apexw_4bit_release_liger_at_bf16`` (+ ``_<tag>``)."""
+    return f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}" + (f"_{tag}" if tag else "")
+
+
 def fits(reserved_gib: float) -> str:
     """The GPU sizes (GB, 10**9 bytes) whose memory holds the peak reserved bytes plus the context allowance."""
     ok = [s for s in GPU_SIZES_GB if reserved_gib + CONTEXT_GIB <= s * 1e9 / GIB]
     return ",".join(map(str, ok)) if ok else "-"
+
+
+def in_backward_optimizer(inner_cls):
+    """A ``torch.optim.Optimizer`` class for the Trainer that runs ``inner_cls`` by PyTorch's optimizer-in-backward
+    recipe: one ``inner_cls`` optimizer per trainable parameter, stepped in the parameter's post-accumulate-grad hook
+    with the lr and weight decay its group holds then (the Trainer's scheduler sets the group's lr), and the gradient
+    freed at once. ``step()`` and ``zero_grad()`` find nothing left to do. Gradient clipping cannot work with it (no
+    gradient outlives its hook): run it with ``max_grad_norm=0``."""
+    import torch
+
+    class InBackward(torch.optim.Optimizer):
+        gradient_release = True
+
+        def __init__(self, params, lr, **inner_kwargs):
+            wd = inner_kwargs.pop("weight_decay", 0.0)
+            super().__init__(params, {"lr": lr, "weight_decay": wd})
+            self.inner = {}
+            for gi, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    if p.requires_grad:
+                        opt = inner_cls([p], lr=group["lr"], weight_decay=group["weight_decay"], **inner_kwargs)
+                        self.inner[p] = (opt, gi)
+                        p.register_post_accumulate_grad_hook(self._hook)
+
+        def _hook(self, p):
+            # the group by index: load_state_dict (Accelerate's prepare calls it) replaces the group dicts
+            opt, gi = self.inner[p]
+            group = self.param_groups[gi]
+            for g in opt.param_groups:
+                if isinstance(g["lr"], torch.Tensor):
+                    g["lr"].fill_(group["lr"])
+                else:
+                    g["lr"] = group["lr"]
+            opt.step()
+            p.grad = None
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            if any(p.grad is not None for p in self.inner):
+                raise RuntimeError("in-backward optimizer: a gradient outlived its hook (no accumulation with it)")
+
+    return InBackward
+
+
+_SITE_HINTS = ("apexw_hf", "liger_kernel", "transformers", "accelerate", "torch/utils/checkpoint", "torchao",
+               "bitsandbytes", "bench_full_finetune_memory")
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame in a library of the stack (else the innermost frame)."""
+    if not frames:
+        return "(no Python frame: autograd's engine thread)"
+    pick = next((f for f in frames if any(h in f.get("filename", "") for h in _SITE_HINTS)), frames[0])
+    name = pick.get("filename", "?")
+    for h in _SITE_HINTS:
+        if h in name:
+            name = name[name.index(h):]
+            break
+    return f"{name}:{pick.get('line', '?')} {pick.get('name', '?')}"
+
+
+def peak_breakdown(events: list[dict], baseline: int, top: int = 20) -> dict:
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``) that began with
+    ``baseline`` bytes allocated: the peak, when it came, and the trace's allocations alive at it by site."""
+    cur = peak = baseline
+    peak_at = -1
+    for i, ev in enumerate(events):
+        if ev["action"] == "alloc":
+            cur += ev["size"]
+        elif ev["action"] == "free_completed":
+            cur -= ev["size"]
+        else:
+            continue
+        if cur > peak:
+            peak, peak_at = cur, i
+    live: dict[int, dict] = {}
+    freed_before = 0  # bytes allocated before the trace and freed by the peak
+    for ev in events[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed" and live.pop(ev["addr"], None) is None:
+            freed_before += ev["size"]
+    sites: dict[str, list[int]] = {}
+    for ev in live.values():
+        entry = sites.setdefault(_site(ev.get("frames") or []), [0, 0])
+        entry[0] += ev["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    return {
+        "peak_bytes": peak, "baseline_bytes": baseline, "baseline_freed_by_peak": freed_before,
+        "peak_event": peak_at, "events": len(events), "new_alive_at_peak": sum(v[0] for v in sites.values()),
+        "sites": [{"site": k, "bytes": v[0], "blocks": v[1]} for k, v in ranked[:top]],
+        "other_sites_bytes": sum(v[0] for _, v in ranked[top:]),
+    }
+
+
+def _peak_text(b: dict, run_peak: int) -> str:
+    mib = 2**20
+    lines = [
+        f"peak of the recorded step, replayed: {b['peak_bytes'] / GIB:.3f} GiB (the run's max_memory_allocated: "
+        f"{run_peak / GIB:.3f} GiB; at trace event {b['peak_event']} of {b['events']})",
+        f"allocated before the step (weights, optimizer state, ...): {b['baseline_bytes'] / GIB:.3f} GiB, of which "
+        f"{b['baseline_freed_by_peak'] / mib:.1f} MiB freed by the peak",
+        f"allocated during the step and alive at the peak: {b['new_alive_at_peak'] / GIB:.3f} GiB, by site:", "",
+    ]
+    for s in b["sites"]:
+        lines.append(f"{s['bytes'] / mib:10.1f} MiB {s['blocks']:6d} blocks  {s['site']}")
+    lines.append(f"{b['other_sites_bytes'] / mib:10.1f} MiB in other sites")
+    return "\n".join(lines) + "\n"
 
 
 def run_one(cell: str, shape: str, args) -> dict:
@@ -83,18 +209,25 @@ def run_one(cell: str, shape: str, args) -> dict:
                     per_device_train_batch_size=args.batch, learning_rate=1e-5, bf16=True, gradient_checkpointing=True,
                     logging_steps=max(1, args.steps // 2), save_strategy="no", report_to=[], max_grad_norm=1.0,
                     dataloader_num_workers=0, use_liger_kernel=liger, weight_decay=0.01)
+    if args.optim_args and optim not in APEXW_OPTIMIZERS:
+        raise SystemExit(f"--optim-args is for the ApexW cells; {cell!r} is not one")
     if optim in APEXW_OPTIMIZERS:
         training["optim"] = optim
+        if args.optim_args:
+            training["optim_args"] = args.optim_args
     elif optim == "torch_fused":
         kw["optimizer_cls_and_kwargs"] = (torch.optim.AdamW, {"lr": 1e-5, "fused": True})
     elif optim == "bnb_8bit":
         import bitsandbytes as bnb
 
         kw["optimizer_cls_and_kwargs"] = (bnb.optim.AdamW8bit, {"lr": 1e-5})
-    elif optim in ("torchao_8bit", "torchao_4bit"):
+    elif optim in ("torchao_8bit", "torchao_4bit", "torchao_8bit_inbwd", "torchao_4bit_inbwd"):
         from torchao.optim import AdamW4bit, AdamW8bit
 
-        cls = AdamW8bit if optim == "torchao_8bit" else AdamW4bit
+        cls = AdamW8bit if optim.startswith("torchao_8bit") else AdamW4bit
+        if optim.endswith("_inbwd"):
+            cls = in_backward_optimizer(cls)
+            training["max_grad_norm"] = 0.0  # no gradient outlives its hook: nothing to clip
         kw["optimizer_cls_and_kwargs"] = (cls, {"lr": 1e-5, "bf16_stochastic_round": model_dtype == torch.bfloat16})
     else:
         raise SystemExit(f"unknown optimizer {optim!r}")
@@ -109,11 +242,24 @@ def run_one(cell: str, shape: str, args) -> dict:
         prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                        schedule=schedule(wait=args.warmup, warmup=2, active=args.profile, repeat=1))
 
+    snapshot = {}
+
     class Probe(TrainerCallback):
+        def on_step_begin(self, a, state, control, **k):
+            if args.snapshot and state.global_step == args.warmup:
+                torch.cuda.synchronize()
+                snapshot["baseline"] = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
         def on_pre_optimizer_step(self, a, state, control, model=None, **k):
             grads_alive.append(sum(p.grad is not None for p in model.parameters()))
 
         def on_step_end(self, a, state, control, **k):
+            if "baseline" in snapshot and "trace" not in snapshot:
+                # the recorded step's time includes the recording and this read-out (one step of the median's)
+                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot["trace"] = trace
             torch.cuda.synchronize()
             times.append(time.perf_counter())
             inner_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -126,7 +272,8 @@ def run_one(cell: str, shape: str, args) -> dict:
                 prof.step()
 
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Tokens(), callbacks=[Probe()], **kw)
+    trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Tokens(), callbacks=[Probe()],
+                      **kw)
     if prof is not None:
         prof.start()
     trainer.train()
@@ -140,11 +287,20 @@ def run_one(cell: str, shape: str, args) -> dict:
         n = len(release_marks) - args.warmup
         release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n,
                    "release_grad_moves_per_step": (m1 - m0) / n}
+    name = run_name(shape, cell, args.tag)
     profile_file = None
     if prof is not None:
         prof.stop()
-        name = f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}.profile.txt"
-        profile_file = _write_profile(prof, Path(args.out) / name, args.profile, all_steps)
+        profile_file = _write_profile(prof, Path(args.out) / f"{name}.profile.txt", args.profile, all_steps)
+    peak_file, peak = None, None
+    if "trace" in snapshot:
+        peak = peak_breakdown(snapshot["trace"], snapshot["baseline"])
+        peak_file = f"{name}.peak.txt"
+        (Path(args.out) / peak_file).write_text(_peak_text(peak, torch.cuda.max_memory_allocated()))
+    if hasattr(inner, "inner"):  # the in-backward wrapper: its per-parameter optimizers hold the state
+        state_bytes = sum(apexw_hf.optimizer_state_bytes(o) for o, _ in inner.inner.values())
+    else:
+        state_bytes = apexw_hf.optimizer_state_bytes(inner)
     logs = [h for h in trainer.state.log_history if "grad_norm" in h]
     return {
         "shape": shape, "cell": cell, "optimizer": optim, "liger": liger, "model_dtype": dtype_name,
@@ -155,7 +311,10 @@ def run_one(cell: str, shape: str, args) -> dict:
         "step_s": [round(t, 5) for t in all_steps],
         **release,
         "profile": profile_file,
-        "optimizer_state_mib": apexw_hf.optimizer_state_bytes(inner) / 2**20,
+        "optimizer_state_mib": state_bytes / 2**20,
+        "optim_args": args.optim_args or None, "tag": args.tag or None,
+        "max_grad_norm": training["max_grad_norm"],
+        "peak_breakdown": peak, "peak_file": peak_file, "snapshot_step": args.warmup + 1 if args.snapshot else None,
         "gradient_release": bool(getattr(inner, "gradient_release", False)),
         "grads_alive_before_step": grads_alive[-1] if grads_alive else None,
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
@@ -214,36 +373,45 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many steps after the warm-up (torch.profiler)")
+    ap.add_argument("--optim-args", default="", help="TrainingArguments(optim_args=...) of the ApexW cells")
+    ap.add_argument("--tag", default="", help="a name for this variant, added to the output files' names")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="record the allocator's history over the first step after the warm-up: <run>.peak.txt")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.profile < 0:
         ap.error(f"--profile must be 0 (no profile) or a positive number of steps, got {args.profile}")
+    if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
+        ap.error(f"--tag must be letters, digits, '-', '_' or '.', got {args.tag!r}")
+    if args.optim_args and not args.tag:
+        ap.error("--optim-args changes what a cell measures: name the variant with --tag")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.run:
         shape, cell = args.run.split(":", 1)
         row = {**run_one(cell, shape, args), **provenance()}
-        (out / f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}.json").write_text(json.dumps(row, indent=1))
+        (out / f"{run_name(shape, cell, args.tag)}.json").write_text(json.dumps(row, indent=1))
         return
     rows = []
     for shape in args.shapes.split(","):
         for cell in args.cells.split(","):
             cmd = [sys.executable, __file__, "--run", f"{shape}:{cell}", "--out", str(out), "--seq", str(args.seq),
                    "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--profile", str(args.profile)]
+                   "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag]
+            cmd += ["--snapshot"] if args.snapshot else []
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                 err = proc.stderr[-3000:] if proc.returncode else ""
             except subprocess.TimeoutExpired:
                 err = f"timeout after {args.timeout} s"
-            path = out / f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}.json"
+            path = out / f"{run_name(shape, cell, args.tag)}.json"
             if path.exists() and not err:
                 row = json.loads(path.read_text())
             else:
                 oom = "OutOfMemoryError" in err or "out of memory" in err
                 row = {"shape": shape, "cell": cell, "error": "OOM" if oom else err.strip().splitlines()[-1:]}
-                (out / f"{shape}_{cell}.err.txt").write_text(err)
+                (out / f"{run_name(shape, cell, args.tag)}.err.txt").write_text(err)
             row["wall_s"] = round(time.time() - t0, 1)
             rows.append(row)
             rel = ""
@@ -256,8 +424,9 @@ def main() -> None:
                   f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
                   f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}",
                   flush=True)
-    keys = ["shape", "cell", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step", "optimizer_state_mib",
-            "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit", "date", "error"]
+    keys = ["shape", "cell", "tag", "optim_args", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step",
+            "optimizer_state_mib", "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit",
+            "date", "error"]
     with open(out / "results.csv", "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         if f.tell() == 0:

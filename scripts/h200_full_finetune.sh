@@ -6,6 +6,7 @@
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh steady  $OUT   # steps/s target, then the Unsloth smoke
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh memory  $OUT   # gradient release: what fits where
 #   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh release_speed $OUT   # release vs none, 1B, in rounds
+#   APEXW_COMMIT=<commit> bash scripts/h200_full_finetune.sh release_probe $OUT   # where the peaks and host time go
 # One call holds the four cells the targets are about, 2 seeds x 2 learning rates (16 runs, 8 at a time):
 #   ... quality $OUT --optimizers adamw_torch_fused@fp32,adamw_torch_fused@bf16,apexw_8bit@bf16,apexw_compact@bf16
 # and a second call the three others (adamw_8bit@fp32,adamw_8bit@bf16,apexw_8bit@fp32) into another --output-dir.
@@ -23,6 +24,12 @@
 # release_speed: the 1B speed target of gradient release (s/step within 1.05x of the same optimizer without it):
 #          apexw_8bit and apexw_4bit + Liger, each without and with release, RELEASE_ROUNDS (2) rounds of the four
 #          cells one after the other (pairs side by side in time), RELEASE_STEPS (50) steps each, 10 of warm-up.
+# release_probe: the two open targets of gradient release. (1) Llama-3.2-3B shapes at 11.06 GiB against <= 11:
+#          apexw_4bit_release + Liger with --snapshot (what is alive at the peak, by site) at the default bucket and at
+#          RELEASE_BUCKETS (8388608 16777216 elements: less gradient waiting for a launch, more launches), 12 steps;
+#          then torchao's 8-bit and 4-bit in backward on 3B shapes (the "in backward" rows of the fits table).
+#          (2) the 1B 4-bit pair with --profile 3 (host and GPU time of the release flushes against no release).
+#          Within PROBE_SECONDS (540) in all.
 # Each part leaves a tarball of its output directory and its log under $OUT.
 set -uo pipefail
 part=${1:?speed or quality}
@@ -83,6 +90,28 @@ case $part in
         2>&1 | tee -a "$out/release_speed.log"
     done
     tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_speed_r*
+    ;;
+  release_probe)
+    start=$SECONDS
+    left() { echo $(( ${PROBE_SECONDS:-540} - (SECONDS - start) )); }
+    b=scripts/bench_full_finetune_memory.py
+    python3 $b --shapes 3b --steps 12 --warmup 4 --timeout 100 --out runs/probe_3b --snapshot \
+      --cells apexw_4bit_release+liger@bf16 2>&1 | tee -a "$out/release_probe.log"
+    for n in ${RELEASE_BUCKETS:-8388608 16777216}; do
+      [ "$(left)" -gt 200 ] || break
+      python3 $b --shapes 3b --steps 12 --warmup 4 --timeout 100 --out runs/probe_3b --snapshot \
+        --optim-args "release_bucket_size=$n" --tag "bucket$n" --cells apexw_4bit_release+liger@bf16 2>&1 \
+        | tee -a "$out/release_probe.log"
+    done
+    if [ "$(left)" -gt 150 ]; then
+      python3 $b --shapes 1b --steps 30 --warmup 10 --timeout 75 --out runs/probe_1b --profile 3 \
+        --cells apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 2>&1 | tee -a "$out/release_probe.log"
+    fi
+    if [ "$(left)" -gt 120 ]; then
+      python3 $b --shapes 3b --steps 8 --warmup 3 --timeout "$(( $(left) / 2 - 10 ))" --out runs/probe_3b_inbwd \
+        --cells torchao_8bit_inbwd+liger@bf16,torchao_4bit_inbwd+liger@bf16 2>&1 | tee -a "$out/release_probe.log"
+    fi
+    tar czf "$out/release_probe.tgz" --exclude=trainer runs/probe_3b runs/probe_1b runs/probe_3b_inbwd 2>/dev/null
     ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac

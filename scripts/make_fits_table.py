@@ -27,6 +27,8 @@ LABELS = {
     "bnb_8bit@bf16": "bitsandbytes AdamW8bit, bf16 model",
     "torchao_8bit@bf16": "torchao AdamW8bit, bf16 model, stochastic rounding",
     "torchao_4bit@bf16": "torchao AdamW4bit, bf16 model, stochastic rounding",
+    "torchao_8bit_inbwd+liger@bf16": "torchao AdamW8bit in backward (PyTorch's recipe, no clipping) + Liger",
+    "torchao_4bit_inbwd+liger@bf16": "torchao AdamW4bit in backward (PyTorch's recipe, no clipping) + Liger",
     "apexw_8bit@bf16": "`apexw_8bit`",
     "apexw_4bit@bf16": "`apexw_4bit`",
     "apexw_8bit+liger@bf16": "`apexw_8bit` + Liger cross-entropy",
@@ -43,6 +45,8 @@ def load_runs() -> dict[tuple[str, str], dict]:
     runs = {}
     for path in sorted(RUNS.glob("memory_*/*.json")):
         row = json.loads(path.read_text())
+        if row.get("tag") or row.get("optim_args"):
+            continue  # a variant (--tag / --optim-args), not the cell as a user runs it
         row["source"] = path.parent.name
         key = (row["shape"], row["cell"])
         if key not in runs or row.get("date", "") >= runs[key].get("date", ""):
