@@ -17,6 +17,12 @@ Candidates (bytes per parameter with the 4-bit ``m`` code and its bf16 scale):
 * ``exact scale``: e4m0 codes, the block scale the exact fp32 absmax (not rounded), 16 random bits: a decaying block
   keeps its codes and the scale decays by exactly ``beta2`` (fp32), so no rounding event happens at all.
 * ``v2``: that, with rounding unbiased in ``log2(v)`` (``reference.v4_log_warp``): the shipped format version 2.
+* ``v2 + Weyl``: version 2 with ``v``'s 16 rounding bits from a per-element low-discrepancy sequence instead of
+  independent draws: the top 16 bits of ``h_i + t * 0x9E3779B9`` (mod 2**32; ``h_i`` a fixed random word of element
+  ``i``, ``t`` the step; 0x9E3779B9 is 2**32 over the golden ratio). Each step's threshold is still uniform over the
+  elements (so each rounding stays unbiased), but an element's thresholds over the steps are spread evenly, so the
+  number of times a decaying ``v`` steps down a binade over ``t`` steps stays within a few of its mean instead of
+  spreading like a binomial: the walk of ``held`` elements loses most of its spread. A candidate, not a format.
 * ``8bit``: apexw_8bit's e4m4 ``v`` (16 codes per binade, blocks of 256), for comparison.
 
 A second table (``--burst``) runs issue 27's end-to-end scenario through ``reference.adamw_step_ref_`` for every
@@ -46,7 +52,9 @@ from apexw_hf import reference as ref  # noqa: E402
 BETA2S = (0.99, 0.999, 0.9995, 0.9999)
 STEPS = (1000, 3000, 10000)
 
-# name: (mantissa bits of v, block, scale: "bf16_up" | "fp32", random bits, bytes per parameter, log-domain rounding)
+# name: (mantissa bits of v, block, scale: "bf16_up" | "fp32", random bits, bytes per parameter, log-domain rounding,
+# rounding bits from a per-element Weyl sequence over the steps instead of independent draws)
+WEYL = 0x9E3779B9
 CANDIDATES = {
     "v1 (e4m0, bf16 scale)": (0, 128, "bf16_up", 10, 1 + 4 / 128, False),
     "e4m1 (2/binade)": (1, 128, "bf16_up", 16, (4 + 5) / 8 + 4 / 128, False),
@@ -54,12 +62,23 @@ CANDIDATES = {
     "e4m3 (8/binade)": (3, 128, "bf16_up", 16, (4 + 7) / 8 + 4 / 128, False),
     "e4m0, exact fp32 scale": (0, 128, "fp32", 16, 1 + 6 / 128, False),
     "v2: exact fp32 scale + log rounding": (0, 128, "fp32", 16, 1 + 6 / 128, True),
+    "v2 + Weyl rounding bits": (0, 128, "fp32", 16, 1 + 6 / 128, True, True),
     "8bit (e4m4)": (4, 256, "bf16_up", 10, 2 + 4 / 256, False),
 }
 
 
-def quantize(v: torch.Tensor, mant: int, scale_mode: str, nbits: int, gen: torch.Generator, warp: bool):
-    """Q(v) for v of shape (..., blocks, block): stochastic rounding to the codes, returned decoded (fp32)."""
+def quantize(
+    v: torch.Tensor,
+    mant: int,
+    scale_mode: str,
+    nbits: int,
+    gen: torch.Generator,
+    warp: bool,
+    phase: torch.Tensor | None = None,
+    step: int = 0,
+):
+    """Q(v) for v of shape (..., blocks, block): stochastic rounding to the codes, returned decoded (fp32).
+    ``phase``: each element's fixed word ``h_i`` for Weyl rounding bits at ``step`` (None: independent draws)."""
     amax = v.amax(dim=-1)
     if scale_mode == "bf16_up":
         s = ref.bf16_round_up(amax).float()
@@ -69,7 +88,10 @@ def quantize(v: torch.Tensor, mant: int, scale_mode: str, nbits: int, gen: torch
     y = torch.clamp(v * inv[..., None], max=1.0)
     if warp:
         y = ref.v4_log_warp(y)
-    bits = torch.randint(0, 1 << nbits, y.shape, generator=gen, dtype=torch.int64)
+    if phase is None:
+        bits = torch.randint(0, 1 << nbits, y.shape, generator=gen, dtype=torch.int64)
+    else:
+        bits = ((phase + step * WEYL) & 0xFFFFFFFF) >> (32 - nbits)
     drop = 23 - mant
     off = (bits << (drop - nbits)) | (1 << (drop - nbits - 1))
     c = ref.minifloat_code(y, off, mant, ref.BIAS)
@@ -78,13 +100,14 @@ def quantize(v: torch.Tensor, mant: int, scale_mode: str, nbits: int, gen: torch
 
 
 def run(name: str, scenario: str, blocks: int, seed: int) -> list[dict]:
-    mant, block, scale_mode, nbits, nbytes, warp = CANDIDATES[name]
+    mant, block, scale_mode, nbits, nbytes, warp, *weyl = CANDIDATES[name]
     gen = torch.Generator().manual_seed(seed)
     b2 = torch.tensor(BETA2S, dtype=torch.float32)[:, None, None]
     # block maximum 1 at element 0, the others log-uniform over 4 binades below it
     v = 2.0 ** (-4.0 * torch.rand((len(BETA2S), blocks, block), generator=gen))
     v[..., 0] = 1.0
-    v = quantize(v, mant, scale_mode, nbits, gen, warp)
+    phase = torch.randint(0, 2**32, v.shape, generator=gen, dtype=torch.int64) if weyl and weyl[0] else None
+    v = quantize(v, mant, scale_mode, nbits, gen, warp, phase, 0)
     v0 = v.clone()
     measured = torch.ones(block, dtype=torch.bool)
     if scenario == "held":
@@ -94,7 +117,7 @@ def run(name: str, scenario: str, blocks: int, seed: int) -> list[dict]:
         x = v * b2
         if scenario == "held":
             x[..., 0] = v0[..., 0]
-        v = quantize(x, mant, scale_mode, nbits, gen, warp)
+        v = quantize(x, mant, scale_mode, nbits, gen, warp, phase, t)
         if t in STEPS:
             for i, beta2 in enumerate(BETA2S):
                 exact = v0[i][:, measured].double() * float(b2[i]) ** t
@@ -115,13 +138,41 @@ def run(name: str, scenario: str, blocks: int, seed: int) -> list[dict]:
 
 
 BURST_CASES = ((0.99, 1000), (0.999, 3000), (0.9995, 3000), (0.9999, 6000))
-BURST_FORMATS = ("fp32", "compact", "8bit", "4bit_v1", "4bit")
+BURST_FORMATS = ("fp32", "compact", "8bit", "4bit_v1", "4bit", "4bit_weyl")
+
+
+class _WeylBits:
+    """While active, ``reference.quantize_mv4`` rounds ``v`` with the Weyl candidate's bits: element ``i`` at step
+    ``t`` gets the top 16 bits of ``h_i + t * WEYL`` in the word bits that ``reference.v4_rand_offset`` reads (0-9,
+    16-21); ``m`` keeps its independent bits. For the burst table only: not a format of the package."""
+
+    def __init__(self, n: int, gen: torch.Generator):
+        self.phase = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+        self.step = 0
+
+    def __enter__(self):
+        self.orig = ref.quantize_mv4
+
+        def quantize(m, v, bits):
+            r = ((self.phase + self.step * WEYL) & 0xFFFFFFFF) >> 16
+            word = (bits.reshape(-1) & ~0x3F03FF) | (r >> 6) | ((r & 0x3F) << 16)
+            return self.orig(m, v, word.view(bits.shape))
+
+        ref.quantize_mv4 = quantize
+        return self
+
+    def __exit__(self, *exc):
+        ref.quantize_mv4 = self.orig
 
 
 def burst_ratio(fmt: str, beta2: float, after: int, n: int = 2048, seed: int = 0) -> float:
+    import contextlib
+
     from apexw_hf.optim import state as st
 
     gen = torch.Generator().manual_seed(seed)
+    weyl = _WeylBits(n, torch.Generator().manual_seed(seed + 1)) if fmt == "4bit_weyl" else None
+    fmt = "4bit" if weyl else fmt
     sign = torch.randn(n, generator=gen).sign()
     p, tp = torch.zeros(n), torch.nn.Parameter(torch.zeros(n))
     topt = torch.optim.AdamW([tp], lr=1e-3, betas=(0.9, beta2), eps=1e-8, weight_decay=0.0, foreach=False)
@@ -131,7 +182,10 @@ def burst_ratio(fmt: str, beta2: float, after: int, n: int = 2048, seed: int = 0
     for t in range(1, 21 + after):
         g = torch.randn(n, generator=gen) * 10 if t <= 20 else 0.01 * sign + 0.001 * torch.randn(n, generator=gen)
         s = ref.StepScalars.make(lr=1e-3, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.0, step=t)
-        ref.adamw_step_ref_(p, g, state, fmt=fmt, scalars=s, seed=1, tensor_index=0, step=t)
+        if weyl:
+            weyl.step = t
+        with weyl or contextlib.nullcontext():
+            ref.adamw_step_ref_(p, g, state, fmt=fmt, scalars=s, seed=1, tensor_index=0, step=t)
         tp.grad = g
         topt.step()
         if t == 20:
