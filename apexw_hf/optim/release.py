@@ -95,8 +95,8 @@ class GradientRelease:
         self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
         self._cum: list[torch.Tensor] = []  # this step's sum of squares after each bucket
         self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
-        self._shares: torch.Tensor | None = None  # this step: each bucket's share of the last step's squared norm
-        self._share_pos: torch.Tensor | None = None
+        # this step: each bucket's share of the last step's squared norm (inf where it is 0 or NaN)
+        self._shares: tuple[torch.Tensor, ...] | None = None
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
@@ -219,28 +219,29 @@ class GradientRelease:
         if self._sumsq is None:
             self._sumsq = sq
         else:
-            self._sumsq = self._sumsq + sq.to(self._sumsq.device, non_blocking=True)
+            self._sumsq = self._sumsq + _on(sq, self._sumsq.device)
         self._cum.append(self._sumsq)
         if self.max_grad_norm is None:
             return None
         k = len(self._cum) - 1
         if self.grad_norm is not None and k < len(self._prev_cum):
-            # this step's norm, estimated from its released part and the previous step's share of that part (the
-            # shares of every bucket: one division per step, at its first bucket)
+            # this step's norm, estimated from its released part and the previous step's share of that part: with
+            # share s of the previous step's squared norm, max(S / s, S) (S where s is 0 or NaN: there the divisor
+            # is inf, S / inf = 0). The shares of every bucket: one division per step, at its first bucket, split
+            # into a list so that each bucket takes its own without an indexing operation.
             if k == 0 or self._shares is None:
-                prev_total = self.grad_norm.to(self._sumsq.device).square()
-                self._shares = torch.stack(self._prev_cum).to(self._sumsq.device) / prev_total
-                self._share_pos = self._shares > 0
-            estimate = torch.where(self._share_pos[k], self._sumsq / self._shares[k], self._sumsq)
-            norm = torch.maximum(estimate, self._sumsq).sqrt()
+                prev_total = _on(self.grad_norm, self._sumsq.device).square()
+                shares = _on(torch.stack(self._prev_cum), self._sumsq.device) / prev_total
+                self._shares = torch.where(shares > 0, shares, torch.inf).unbind()
+            norm = torch.maximum(self._sumsq / self._shares[k], self._sumsq).sqrt()
         else:
             norm = self._sumsq.sqrt()
             if self.grad_norm is not None:
-                norm = torch.maximum(norm, self.grad_norm.to(norm.device, non_blocking=True))
+                norm = torch.maximum(norm, _on(self.grad_norm, norm.device))
         coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
         # A non-finite norm (inf/NaN gradient in this bucket or an earlier one): later buckets get a zero gradient.
         coef = torch.nan_to_num(coef, nan=0.0)
-        return coef.to(dt.local(grads[0]).device)
+        return _on(coef, dt.local(grads[0]).device)
 
     # ---- the step boundary ---------------------------------------------------------------------------------------
 
@@ -324,6 +325,11 @@ def _load_state_dict_pre_hook(optimizer, state_dict: dict) -> dict:
             raise ValueError(f"gradient_release state: {GROUP_STATE_KEY} must be a JSON object, got {saved!r}")
         out[STATE_KEY] = saved
     return out
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` (a non-blocking copy only where it is elsewhere: ``.to`` costs host time even when not)."""
+    return t if t.device == device else t.to(device, non_blocking=True)
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
