@@ -28,7 +28,8 @@
 #          apexw_4bit_release + Liger with --snapshot (what is alive at the peak, by site) at the default bucket and at
 #          RELEASE_BUCKETS (8388608 16777216 elements: less gradient waiting for a launch, more launches), 12 steps;
 #          then torchao's 8-bit and 4-bit in backward on 3B shapes (the "in backward" rows of the fits table).
-#          (2) the 1B 4-bit pair with --profile 3 (host and GPU time of the release flushes against no release).
+#          (2) the 1B 4-bit pair with --profile 3 (host and GPU time of the release flushes against no release), and
+#          the release cell again with buckets twice the default (half the flushes: host time against memory).
 #          Within PROBE_SECONDS (540) in all.
 # Each part leaves a tarball of its output directory and its log under $OUT.
 set -uo pipefail
@@ -106,6 +107,9 @@ case $part in
     if [ "$(left)" -gt 150 ]; then
       python3 $b --shapes 1b --steps 30 --warmup 10 --timeout 75 --out runs/probe_1b --profile 3 \
         --cells apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 2>&1 | tee -a "$out/release_probe.log"
+      python3 $b --shapes 1b --steps 30 --warmup 10 --timeout 75 --out runs/probe_1b --profile 3 \
+        --optim-args release_bucket_size=67108864 --tag bucket64m --cells apexw_4bit_release+liger@bf16 2>&1 \
+        | tee -a "$out/release_probe.log"
     fi
     if [ "$(left)" -gt 120 ]; then
       python3 $b --shapes 3b --steps 8 --warmup 3 --timeout "$(( $(left) / 2 - 10 ))" --out runs/probe_3b_inbwd \
