@@ -61,15 +61,16 @@ def _fits(row: dict) -> str:
 
 def full_table(runs: dict) -> str:
     lines = [
-        "| shape | optimizer | peak allocated GiB | peak reserved GiB | s/step | optimizer state MiB | gradients alive at "
-        "the step | fits | run |",
+        "| shape | optimizer | peak allocated GiB | peak reserved GiB | s/step | optimizer state MiB | "
+        "gradients alive at the step | fits | run |",
         "|---|---|---:|---:|---:|---:|---:|---|---|",
     ]
     order = list(LABELS)
     for (shape, cell), r in sorted(runs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         lines.append(
-            f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} | "
-            f"{r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | {r['grads_alive_before_step']} | {_fits(r)} | "
+            f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | "
+            f"{r['peak_reserved_gib']:.2f} | {r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | "
+            f"{r['grads_alive_before_step']} | {_fits(r)} | "
             f"[{r['commit']}](results/gradient_release_h200/{r['source']}) |"
         )
     return "\n".join(lines)
@@ -88,7 +89,8 @@ def readme_table(runs: dict) -> str:
         "\nPeak GPU memory allocated through the Hugging Face Trainer, seq 1024 x batch 4, gradient checkpointing, "
         "random weights of each model's shape, one H200; in brackets the smallest of "
         f"{', '.join(map(str, GPU_SIZES_GB))} GB that holds the peak reserved memory plus {CONTEXT_GIB} GiB for the "
-        "CUDA context. Every cell, speeds and the method: [docs/full_finetune.md](docs/full_finetune.md#what-fits-where)."
+        "CUDA context. Every cell, speeds and the method: "
+        "[docs/full_finetune.md](docs/full_finetune.md#what-fits-where)."
     )
     return "\n".join(lines) + "\n" + note
 
@@ -105,7 +107,8 @@ def main() -> int:
     args = ap.parse_args()
     runs = load_runs()
     stale = []
-    for path, body in ((ROOT / "README.md", readme_table(runs)), (ROOT / "docs" / "full_finetune.md", full_table(runs))):
+    targets = ((ROOT / "README.md", readme_table(runs)), (ROOT / "docs" / "full_finetune.md", full_table(runs)))
+    for path, body in targets:
         old = path.read_text()
         new = _replace(old, "fits-table", body)
         if new != old:
