@@ -31,6 +31,7 @@ from bench_step import WORKLOADS, environment, time_launches  # noqa: E402
 
 from apexw_hf import reference as ref  # noqa: E402
 from apexw_hf.engines.triton.kernels import LaunchPlan  # noqa: E402
+from apexw_hf.engines.triton.kernels.launch import MAXNREG_RANGE  # noqa: E402
 from apexw_hf.optim import state as st  # noqa: E402
 
 DEFAULT_WORKLOADS = ("4x8192^2 bf16", "4x8192^2 fp32", "Llama-3.2-1B shapes bf16")
@@ -39,7 +40,7 @@ DEFAULT_WORKLOADS = ("4x8192^2 bf16", "4x8192^2 fp32", "Llama-3.2-1B shapes bf16
 def parse_caps(text: str) -> list[int | None]:
     caps: list[int | None] = [None]
     for item in filter(None, (x.strip() for x in text.split(","))):
-        if not item.isdigit() or not 24 <= int(item) <= 255:
+        if not item.isdigit() or int(item) not in MAXNREG_RANGE:
             raise SystemExit(f"--caps: {item!r} is not a register count in 24..255")
         caps.append(int(item))
     return caps

@@ -75,6 +75,8 @@ LAUNCH_CONFIG = {
     "4bit": {4: (1, 1), 2: (1, 1)},
 }
 
+MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (LaunchPlan's maxnreg)
+
 _STATE_DTYPES = {
     "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
     "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
@@ -125,7 +127,7 @@ class LaunchPlan:
         cfg_rows, cfg_warps = LAUNCH_CONFIG[fmt][params[0].element_size()]
         self.rows = rows or cfg_rows
         self.num_warps = num_warps or cfg_warps
-        if maxnreg is not None and (not isinstance(maxnreg, int) or not 24 <= maxnreg <= 255):
+        if maxnreg is not None and (not isinstance(maxnreg, int) or maxnreg not in MAXNREG_RANGE):
             raise ValueError(f"maxnreg must be None or an int in 24..255 (registers per thread), got {maxnreg!r}")
         self.maxnreg = maxnreg
         chunk = self.rows * QBLOCK
