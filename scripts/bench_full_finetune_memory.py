@@ -20,7 +20,9 @@ needs every gradient (those cells run with ``max_grad_norm=0``).
 ...); ``--tag`` names such a variant in the output files. ``--snapshot`` records the allocator's history over the
 first step after the warm-up and writes ``<run>.peak.txt``: the step's peak replayed from the trace, the bytes
 allocated before the step (weights, optimizer state, ...) and the step's own allocations alive at the peak, grouped
-by the Python frame that made them (:func:`peak_breakdown`).
+by the Python frame that made them (:func:`peak_breakdown`). With ``--snapshot-from build`` the recording starts once
+the model is built, before the Trainer exists, and runs to the end of that same step: the baseline is then the
+weights alone, and the optimizer's state, the Trainer's and the libraries' buffers show up by site too.
 
     python3 scripts/bench_full_finetune_memory.py --shapes 1b --cells apexw_8bit@bf16,apexw_8bit_release+liger@bf16
     python3 scripts/bench_full_finetune_memory.py --shapes 3b --cells apexw_4bit_release+liger@bf16 --snapshot \
@@ -159,14 +161,19 @@ def peak_breakdown(events: list[dict], baseline: int, top: int = 20) -> dict:
     }
 
 
-def _peak_text(b: dict, run_peak: int) -> str:
+def _peak_text(b: dict, run_peak: int, start: str = "step") -> str:
     mib = 2**20
+    before, during = {
+        "step": ("before the step (weights, optimizer state, ...)", "during the step"),
+        "build": ("before the trace (the model's weights)", "from the Trainer's creation to the traced step's end"),
+    }[start]
     lines = [
-        f"peak of the recorded step, replayed: {b['peak_bytes'] / GIB:.3f} GiB (the run's max_memory_allocated: "
-        f"{run_peak / GIB:.3f} GiB; at trace event {b['peak_event']} of {b['events']})",
-        f"allocated before the step (weights, optimizer state, ...): {b['baseline_bytes'] / GIB:.3f} GiB, of which "
+        f"peak of the recorded {'step' if start == 'step' else 'steps'}, replayed: {b['peak_bytes'] / GIB:.3f} GiB "
+        f"(the run's max_memory_allocated: {run_peak / GIB:.3f} GiB; at trace event {b['peak_event']} of "
+        f"{b['events']})",
+        f"allocated {before}: {b['baseline_bytes'] / GIB:.3f} GiB, of which "
         f"{b['baseline_freed_by_peak'] / mib:.1f} MiB freed by the peak",
-        f"allocated during the step and alive at the peak: {b['new_alive_at_peak'] / GIB:.3f} GiB, by site:", "",
+        f"allocated {during} and alive at the peak: {b['new_alive_at_peak'] / GIB:.3f} GiB, by site:", "",
     ]
     for s in b["sites"]:
         lines.append(f"{s['bytes'] / mib:10.1f} MiB {s['blocks']:6d} blocks  {s['site']}")
@@ -246,7 +253,7 @@ def run_one(cell: str, shape: str, args) -> dict:
 
     class Probe(TrainerCallback):
         def on_step_begin(self, a, state, control, **k):
-            if args.snapshot and state.global_step == args.warmup:
+            if args.snapshot and args.snapshot_from == "step" and state.global_step == args.warmup:
                 torch.cuda.synchronize()
                 snapshot["baseline"] = torch.cuda.memory_allocated()
                 torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
@@ -255,7 +262,7 @@ def run_one(cell: str, shape: str, args) -> dict:
             grads_alive.append(sum(p.grad is not None for p in model.parameters()))
 
         def on_step_end(self, a, state, control, **k):
-            if "baseline" in snapshot and "trace" not in snapshot:
+            if "baseline" in snapshot and "trace" not in snapshot and state.global_step > args.warmup:
                 # the recorded step's time includes the recording and this read-out (one step of the median's)
                 trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
                 torch.cuda.memory._record_memory_history(enabled=None)
@@ -272,6 +279,10 @@ def run_one(cell: str, shape: str, args) -> dict:
                 prof.step()
 
     torch.cuda.reset_peak_memory_stats()
+    if args.snapshot and args.snapshot_from == "build":
+        torch.cuda.synchronize()
+        snapshot["baseline"] = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
     trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Tokens(), callbacks=[Probe()],
                       **kw)
     if prof is not None:
@@ -296,7 +307,8 @@ def run_one(cell: str, shape: str, args) -> dict:
     if "trace" in snapshot:
         peak = peak_breakdown(snapshot["trace"], snapshot["baseline"])
         peak_file = f"{name}.peak.txt"
-        (Path(args.out) / peak_file).write_text(_peak_text(peak, torch.cuda.max_memory_allocated()))
+        text = _peak_text(peak, torch.cuda.max_memory_allocated(), args.snapshot_from)
+        (Path(args.out) / peak_file).write_text(text)
     if hasattr(inner, "inner"):  # the in-backward wrapper: its per-parameter optimizers hold the state
         state_bytes = sum(apexw_hf.optimizer_state_bytes(o) for o, _ in inner.inner.values())
     else:
@@ -315,6 +327,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         "optim_args": args.optim_args or None, "tag": args.tag or None,
         "max_grad_norm": training["max_grad_norm"],
         "peak_breakdown": peak, "peak_file": peak_file, "snapshot_step": args.warmup + 1 if args.snapshot else None,
+        "snapshot_from": args.snapshot_from if args.snapshot else None,
         "gradient_release": bool(getattr(inner, "gradient_release", False)),
         "grads_alive_before_step": grads_alive[-1] if grads_alive else None,
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
@@ -377,6 +390,8 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="a name for this variant, added to the output files' names")
     ap.add_argument("--snapshot", action="store_true",
                     help="record the allocator's history over the first step after the warm-up: <run>.peak.txt")
+    ap.add_argument("--snapshot-from", choices=("step", "build"), default="step",
+                    help="with --snapshot: start recording at that step (default) or once the model is built")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.profile < 0:
@@ -398,7 +413,7 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--run", f"{shape}:{cell}", "--out", str(out), "--seq", str(args.seq),
                    "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag]
-            cmd += ["--snapshot"] if args.snapshot else []
+            cmd += ["--snapshot", "--snapshot-from", args.snapshot_from] if args.snapshot else []
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
