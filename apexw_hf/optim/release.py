@@ -12,7 +12,8 @@ backward pass, records the step's gradient norm and checks that nothing was left
 
 Gradient norm and clipping. The global norm of the gradients is only known at the end of backward, after most
 tensors have been updated. With ``max_grad_norm`` set, the gradients of each bucket are multiplied by
-``min(1, max_grad_norm / (N + 1e-6))`` before its update, where ``N`` estimates this step's global norm from what has
+``min(1, max_grad_norm / (N + 1e-6))`` (rounded to the gradients' dtype, as ``clip_grad_norm_`` computes it for
+bf16 gradients) before its update, where ``N`` estimates this step's global norm from what has
 been released so far: buckets come in the same order every step, so with ``S`` the sum of squares released so far in
 this step (this bucket included) and ``S'`` / ``T'`` the same sum at the same bucket / the total of the previous step,
 ``N = sqrt(S * T' / S')`` (never below ``sqrt(S)``, a lower bound of the step's norm). It is exact when the buckets'
@@ -200,7 +201,7 @@ class GradientRelease:
         grads = [p.grad for p in params]
         coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
         if coef is not None:
-            torch._foreach_mul_([dt.local(g) for g in grads], coef)
+            _scale_([dt.local(g) for g in grads], coef)
         key = tuple(map(id, params))
         start = 0
         for gi, run in itertools.groupby(slot[0] for slot, _ in slots):
@@ -330,6 +331,18 @@ def _load_state_dict_pre_hook(optimizer, state_dict: dict) -> dict:
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` on ``device`` (a non-blocking copy only where it is elsewhere: ``.to`` costs host time even when not)."""
     return t if t.device == device else t.to(device, non_blocking=True)
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """``g *= coef`` for every gradient, one fused multi-tensor multiply per gradient dtype. CUDA's fused path wants
+    the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per tensor), so it is
+    rounded to that dtype first, as ``torch.nn.utils.clip_grad_norm_`` computes it for bf16 gradients (its norm is in
+    the gradients' dtype)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, same in by_dtype.items():
+        torch._foreach_mul_(same, coef if coef.dtype == dtype else coef.to(dtype))
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
