@@ -4,11 +4,13 @@ A full fine-tune keeps, besides the weights and the optimizer state, every gradi
 to ``optimizer.step()``: 2 bytes per parameter of a bf16 model, as much as the weights. With
 ``ApexW(..., gradient_release=True)`` each trainable parameter gets a ``register_post_accumulate_grad_hook``; when
 autograd has finished a parameter's gradient (the sum over every use of it, so a tied embedding and output layer get
-one update), the parameter joins a bucket. When the bucket holds ``release_bucket_size`` elements, or when the
-backward pass ends (a callback queued on autograd's engine), the bucket is stepped - one kernel launch per param group
-and dtype for all its tensors, the same update ``step()`` computes for those gradients - and the gradients are
-freed. ``optimizer.step()`` then only closes the step: it steps any parameter whose gradient was set without a
-backward pass, records the step's gradient norm and checks that nothing was left behind.
+one update), the parameter joins its param group's bucket. When a bucket holds ``release_bucket_size`` elements, it
+is stepped - one kernel launch (per parameter dtype) for all its tensors, the same update ``step()`` computes for
+those gradients - and the gradients are freed; when the backward pass ends (a callback queued on autograd's engine),
+every bucket is. Buckets are per group because a launch serves one group's hyperparameters: a bucket that mixed the
+Trainer's two groups (weight decay or not) would cost two launches, the second for a few norm weights.
+``optimizer.step()`` then only closes the step: it steps any parameter whose gradient was set without a backward pass,
+records the step's gradient norm and checks that nothing was left behind.
 
 Gradient norm and clipping. The global norm of the gradients is only known at the end of backward, after most
 tensors have been updated. With ``max_grad_norm`` set, the gradients of each bucket are multiplied by
@@ -89,8 +91,8 @@ class GradientRelease:
         self.max_grad_norm = max_grad_norm
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._hooked_ids: list[int] | None = None
-        self._pending: list[torch.Tensor] = []
-        self._pending_numel = 0
+        self._pending: dict[int, list[torch.Tensor]] = {}  # param group index -> its bucket, in completion order
+        self._pending_numel: dict[int, int] = {}
         self._queued = False
         self._stepped: set[int] = set()
         self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
@@ -159,13 +161,18 @@ class GradientRelease:
             raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
         if not self._stepped and not self._pending:
             self._check_setup(p)
-        self._pending.append(p)
-        self._pending_numel += dt.local(p).numel()
+        gi = self._opt_ref()._group_slot(p)[0]
+        bucket = self._pending.get(gi)
+        if bucket is None:
+            bucket = self._pending[gi] = []
+        bucket.append(p)
+        numel = self._pending_numel.get(gi, 0) + dt.local(p).numel()
+        self._pending_numel[gi] = numel
         if not self._queued:
             self._queued = True
             _queue_end_of_backward(self._on_backward_end)
-        if self._pending_numel >= self.bucket_size:
-            self.flush()
+        if numel >= self.bucket_size:
+            self.flush(group=gi)
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -186,10 +193,15 @@ class GradientRelease:
 
     # ---- buckets -------------------------------------------------------------------------------------------------
 
-    def flush(self, extra: list[torch.Tensor] | None = None) -> None:
-        """Step the pending parameters (and ``extra``), then free their gradients."""
-        params = self._pending + (extra or [])
-        self._pending, self._pending_numel = [], 0
+    def flush(self, extra: list[torch.Tensor] | None = None, group: int | None = None) -> None:
+        """Step the pending parameters of every group, or of param group ``group`` alone (and ``extra``), then free
+        their gradients."""
+        if group is None:
+            params = [p for bucket in self._pending.values() for p in bucket] + (extra or [])
+            self._pending, self._pending_numel = {}, {}
+        else:
+            params = self._pending.pop(group, []) + (extra or [])
+            self._pending_numel.pop(group, None)
         if not params:
             return
         t0 = time.perf_counter()
@@ -266,7 +278,7 @@ class GradientRelease:
                         "was updated in this step's backward pass; stepping it again would update it twice. Do not "
                         "set .grad between backward() and step() with gradient release."
                     )
-                if not any(q is p for q in self._pending):
+                if not any(q is p for bucket in self._pending.values() for q in bucket):
                     extra.append(p)  # a gradient set without backward, or a parameter without a hook
         self.flush(extra)
         if self._sumsq is not None:

@@ -93,6 +93,31 @@ def test_release_is_bit_identical_to_step(fmt, checkpoint):
     assert sd_b["gradient_release"]["prev_grad_norm"] > 0
 
 
+def test_a_bucket_holds_one_param_group_until_backward_ends():
+    """Each group fills its own bucket (one launch per bucket): inside backward a flush steps one group; only the
+    end-of-backward flush takes what is left of every group. Same bits as step() (the test above)."""
+    model = make()
+    opt = ApexW(groups(model), state_format="8bit", engine="torch", gradient_release=True, release_bucket_size=300)
+    release, launched = opt._release, []
+    step_params = opt._step_params
+
+    def record(group, params, grads, bucket=None):
+        launched.append((release.flushes, opt.param_groups.index(group), len(params)))
+        return step_params(group, params, grads, bucket=bucket)
+
+    opt._step_params = record
+    loss_of(model, 0).backward()
+    last = release.flushes - 1  # the end-of-backward flush
+    inside = [(f, g) for f, g, _ in launched if f < last]
+    assert len({f for f, _ in inside}) >= 3, launched  # the bucket size really split backward
+    for f in {f for f, _ in inside}:
+        assert len({g for ff, g in inside if ff == f}) == 1, launched  # one group per flush inside backward
+    assert {g for _, g, _ in launched} == {0, 1}
+    assert sum(n for *_, n in launched) == sum(p.requires_grad for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+
+
 def test_clipping_follows_its_rule_and_logs_the_true_norm():
     """max_grad_norm with one bucket: the estimate is the step's own norm from the second step on (exact clipping);
     the first step uses the norm so far; grad_norm is the true norm."""
