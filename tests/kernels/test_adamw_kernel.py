@@ -25,13 +25,14 @@ def _run_both(
     hp=HP,
     words=None,
     tile=(None, None),
-    maxnreg=None,
+    maxnreg="auto",
 ):
     """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything.
 
     ``states``: initial states (default: fresh ones); ``hp``: hyperparameters; ``words``: whether the launch must
     (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words; ``tile``:
-    (rows, warps) of the launch (default: launch.LAUNCH_CONFIG); ``maxnreg``: a register cap for the compiler.
+    (rows, warps) of the launch (default: launch.LAUNCH_CONFIG); ``maxnreg``: a register cap for the compiler
+    (default: the engine's, launch.MAX_REGISTERS).
     """
     kp = [p.clone() for p in params]
     rp = [p.clone() for p in params]
@@ -473,10 +474,33 @@ def test_register_cap_keeps_the_bits(fmt, pdt):
         _run_both(params, grads, fmt, words=words, maxnreg=64)
 
 
+def test_register_caps_by_specialization():
+    """maxnreg="auto" (the engine's plans) caps exactly the specializations of launch.MAX_REGISTERS, with the default
+    tile; None leaves every one to the compiler; an int caps every one."""
+    from apexw_hf.engines.triton.kernels import LaunchPlan
+    from apexw_hf.engines.triton.kernels.launch import MAX_REGISTERS
+
+    def cap(fmt, dtype, stochastic=True, even=True, per_tensor=False, **kw):
+        p = torch.zeros(512, dtype=dtype, device=DEVICE)
+        plan = LaunchPlan([p], [st.init_state(p, fmt)], fmt, [0], 0, dtype, **kw)
+        return plan._cap((fmt, None, None, False, stochastic, per_tensor, True, even, plan.rows))
+
+    assert MAX_REGISTERS == {("4bit", torch.bfloat16, True, True, False): 72}
+    assert cap("4bit", torch.bfloat16) == 72
+    assert cap("4bit", torch.bfloat16, stochastic=False) is None
+    assert cap("4bit", torch.bfloat16, even=False) is None
+    assert cap("4bit", torch.bfloat16, per_tensor=True) is None
+    assert cap("4bit", torch.float32) is None
+    assert cap("8bit", torch.bfloat16) is None
+    assert cap("4bit", torch.bfloat16, rows=2, num_warps=2) is None  # another tile: not what was measured
+    assert cap("4bit", torch.bfloat16, maxnreg=None) is None
+    assert cap("8bit", torch.float32, maxnreg=64) == 64
+
+
 def test_register_cap_is_checked():
     from apexw_hf.engines.triton.kernels import LaunchPlan
 
     p = torch.zeros(256, device=DEVICE)
     for bad in (8, 300, 64.0, "64"):
-        with pytest.raises(ValueError, match="maxnreg must be None or an int in 24..255"):
+        with pytest.raises(ValueError, match="maxnreg must be .auto., None or an int in 24..255"):
             LaunchPlan([p], [st.init_state(p, "4bit")], "4bit", [0], 0, torch.float32, maxnreg=bad)

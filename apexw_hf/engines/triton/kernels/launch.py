@@ -77,6 +77,17 @@ LAUNCH_CONFIG = {
 
 MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (LaunchPlan's maxnreg)
 
+# Register cap per thread (ptxas .maxnreg) of the default tile, by (format, parameter dtype, stochastic parameter
+# rounding, whole 256-element rows, per-tensor steps): LaunchPlan's maxnreg="auto". 4-bit state (format version 2)
+# with bf16 parameters rounded stochastically keeps the moments' random word alive until the parameter's rounding and
+# takes 80 registers (sm_90, triton 3.6, one warp per 1 x 256 tile), so 25 one-warp programs fit an SM's 64K
+# registers, against 28 with 72. Capped at 72 (no spill, 1160 instructions instead of 1136) it ran 0.963x the
+# uncapped time on 4 x 8192^2 bf16 and 0.964x on Llama-3.2-1B shapes (H200, scripts/four_bit_regcap.py at c1df199,
+# 7 interleaved rounds, bits equal; docs/results/four_bit_v2/h200_c1df199); 64 spilled and gained less (0.979x).
+# fp32 parameters (72 registers already) gained 2% at 64 and are left to the compiler. A cap changes register
+# allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with caps).
+MAX_REGISTERS = {("4bit", torch.bfloat16, True, True, False): 72}
+
 _STATE_DTYPES = {
     "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
     "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
@@ -113,11 +124,15 @@ class LaunchPlan:
         grad_dtype: dtype of the gradients this plan is launched with.
         rows, num_warps: tile height (rows of 256 elements: one 8-bit block or two 4-bit blocks each) and warps
             per program; default by format.
-        maxnreg: a cap on registers per thread for ptxas (None: the compiler's choice). Register allocation only:
-            the bits are the same with any cap. For timing register-limited kernels (scripts/four_bit_regcap.py).
+        maxnreg: a cap on registers per thread for ptxas: ``"auto"`` (default) the measured caps of
+            :data:`MAX_REGISTERS` for the default tile, ``None`` the compiler's choice, or an int in 24..255 (for
+            timing register-limited kernels, scripts/four_bit_regcap.py). Register allocation only: the bits are the
+            same with any cap.
     """
 
-    def __init__(self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None, maxnreg=None):
+    def __init__(
+        self, params, states, fmt, tensor_indices, seed, grad_dtype, rows=None, num_warps=None, maxnreg="auto"
+    ):
         if not params:
             raise ValueError("a launch plan needs at least one tensor")
         self.fmt = fmt
@@ -127,9 +142,13 @@ class LaunchPlan:
         cfg_rows, cfg_warps = LAUNCH_CONFIG[fmt][params[0].element_size()]
         self.rows = rows or cfg_rows
         self.num_warps = num_warps or cfg_warps
-        if maxnreg is not None and (not isinstance(maxnreg, int) or maxnreg not in MAXNREG_RANGE):
-            raise ValueError(f"maxnreg must be None or an int in 24..255 (registers per thread), got {maxnreg!r}")
+        if not (maxnreg is None or maxnreg == "auto" or (type(maxnreg) is int and maxnreg in MAXNREG_RANGE)):
+            raise ValueError(
+                f"maxnreg must be 'auto', None or an int in 24..255 (registers per thread), got {maxnreg!r}"
+            )
         self.maxnreg = maxnreg
+        default_tile = (self.rows, self.num_warps) == LAUNCH_CONFIG[fmt][params[0].element_size()]
+        self._auto_caps = maxnreg == "auto" and default_tile
         chunk = self.rows * QBLOCK
         block = BLOCK_OF.get(fmt, QBLOCK)
         n = len(params)
@@ -232,6 +251,13 @@ class LaunchPlan:
             with torch.cuda.device(index):
                 self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
 
+    def _cap(self, constexprs: tuple) -> int | None:
+        """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""
+        if not self._auto_caps:
+            return None if self.maxnreg == "auto" else self.maxnreg
+        _, _, _, _, stochastic, per_tensor_step, _, even, _ = constexprs
+        return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
+
     def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step) -> None:
         s = scalars
         args = (
@@ -273,7 +299,7 @@ class LaunchPlan:
             **dict(zip(_CONSTEXPR_NAMES, constexprs)),
             num_warps=self.num_warps,
             enable_fp_fusion=False,
-            maxnreg=self.maxnreg,
+            maxnreg=self._cap(constexprs),
         )
         if not INTERPRETED:  # the interpreter has no compiled kernel; every launch goes through it
             self._compiled[constexprs] = compiled
@@ -293,7 +319,7 @@ def adamw_step_(
     param_rounding="stochastic",
     rows=None,
     num_warps=None,
-    maxnreg=None,
+    maxnreg="auto",
 ) -> None:
     """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
 
