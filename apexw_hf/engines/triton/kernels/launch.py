@@ -147,8 +147,7 @@ class LaunchPlan:
                 f"maxnreg must be 'auto', None or an int in 24..255 (registers per thread), got {maxnreg!r}"
             )
         self.maxnreg = maxnreg
-        default_tile = (self.rows, self.num_warps) == LAUNCH_CONFIG[fmt][params[0].element_size()]
-        self._auto_caps = maxnreg == "auto" and default_tile
+        self._auto_caps = maxnreg == "auto" and (self.rows, self.num_warps) == (cfg_rows, cfg_warps)
         chunk = self.rows * QBLOCK
         block = BLOCK_OF.get(fmt, QBLOCK)
         n = len(params)
