@@ -250,6 +250,8 @@ def run_one(cell: str, shape: str, args) -> dict:
                        schedule=schedule(wait=args.warmup, warmup=2, active=args.profile, repeat=1))
 
     snapshot = {}
+    call_totals = install_call_timers() if args.time_calls else None
+    call_marks = []
 
     class Probe(TrainerCallback):
         def on_step_begin(self, a, state, control, **k):
@@ -269,6 +271,8 @@ def run_one(cell: str, shape: str, args) -> dict:
                 snapshot["trace"] = trace
             torch.cuda.synchronize()
             times.append(time.perf_counter())
+            if call_totals is not None:
+                call_marks.append({k: tuple(v) for k, v in call_totals.items()})
             inner_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
             release = getattr(inner_opt, "_release", None)
             if release is not None:
@@ -298,6 +302,12 @@ def run_one(cell: str, shape: str, args) -> dict:
         n = len(release_marks) - args.warmup
         release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n,
                    "release_grad_moves_per_step": (m1 - m0) / n}
+    calls = {}
+    if len(call_marks) > args.warmup:
+        first, last = call_marks[args.warmup - 1], call_marks[-1]
+        n = len(call_marks) - args.warmup
+        calls = {"host_calls_per_step": {k: {"calls": (last[k][0] - first[k][0]) / n,
+                                            "ms": round(1e3 * (last[k][1] - first[k][1]) / n, 3)} for k in last}}
     name = run_name(shape, cell, args.tag)
     profile_file = None
     if prof is not None:
@@ -322,6 +332,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         "s_per_step": statistics.median(steps) if steps else None,
         "step_s": [round(t, 5) for t in all_steps],
         **release,
+        **calls,
         "profile": profile_file,
         "optimizer_state_mib": state_bytes / 2**20,
         "optim_args": args.optim_args or None, "tag": args.tag or None,
@@ -333,6 +344,49 @@ def run_one(cell: str, shape: str, args) -> dict:
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
         "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
+
+
+# --time-calls: the optimizer's host-side functions, timed by wrappers (they run on autograd's thread inside backward
+# with gradient release, where cProfile, bound to the thread that enabled it, does not see them)
+TIMED_CALLS = (
+    "apexw_hf.optim.release:GradientRelease.on_grad_ready",
+    "apexw_hf.optim.release:GradientRelease.flush",
+    "apexw_hf.optim.release:GradientRelease._account",
+    "apexw_hf.optim.release:_scale_",
+    "apexw_hf.engines.triton.engine:TritonEngine.step_group",
+    "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.set_grad_ptrs",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.launch",
+)
+
+
+def install_call_timers() -> dict[str, list]:
+    """Wrap each of ``TIMED_CALLS`` with a timer: name -> [calls, seconds] (nested calls count in both)."""
+    import functools
+    import importlib
+
+    totals = {}
+    for spec in TIMED_CALLS:
+        module_name, qual = spec.split(":")
+        owner = importlib.import_module(module_name)
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+        if isinstance(fn, staticmethod):
+            continue  # not wrapped: its callers are
+        totals[qual] = acc = [0, 0.0]
+
+        def timed(*a, _fn=fn, _acc=acc, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += 1
+                _acc[1] += time.perf_counter() - t0
+
+        setattr(owner, attr, functools.wraps(fn)(timed))
+    return totals
 
 
 def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
@@ -386,6 +440,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many steps after the warm-up (torch.profiler)")
+    ap.add_argument("--time-calls", action="store_true",
+                    help="host time per step of the optimizer's functions (TIMED_CALLS), in each run's JSON")
     ap.add_argument("--optim-args", default="", help="TrainingArguments(optim_args=...) of the ApexW cells")
     ap.add_argument("--tag", default="", help="a name for this variant, added to the output files' names")
     ap.add_argument("--snapshot", action="store_true",
@@ -414,6 +470,7 @@ def main() -> None:
                    "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag]
             cmd += ["--snapshot", "--snapshot-from", args.snapshot_from] if args.snapshot else []
+            cmd += ["--time-calls"] if args.time_calls else []
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -433,6 +490,8 @@ def main() -> None:
             if "release_flushes_per_step" in row:
                 rel = (f"  release: {row['release_flushes_per_step']:.1f} flushes, "
                        f"{row['release_host_ms_per_step']:.1f} host ms/step")
+            for k, v in row.get("host_calls_per_step", {}).items():
+                rel += f"\n      {k:40} {v['calls']:6.1f} calls {v['ms']:8.3f} ms/step"
             fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
             nan = float("nan")
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
