@@ -52,6 +52,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import operator
 import time
 import weakref
 from collections.abc import Callable
@@ -75,6 +76,9 @@ _ACCUMULATION_ERROR = (
 )
 
 
+_SLOT = operator.itemgetter(0)
+
+
 def _queue_end_of_backward(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -91,15 +95,18 @@ class GradientRelease:
         self.max_grad_norm = max_grad_norm
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._hooked_ids: list[int] | None = None
-        self._pending: dict[int, list[torch.Tensor]] = {}  # param group index -> its bucket, in completion order
+        # param group index -> its bucket: ((group index, index in the group), parameter) in completion order
+        self._pending: dict[int, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         self._pending_numel: dict[int, int] = {}
         self._queued = False
         self._stepped: set[int] = set()
-        self._sumsq: torch.Tensor | None = None  # this step's released gradients: sum of squares (fp32, on device)
-        self._cum: list[torch.Tensor] = []  # this step's sum of squares after each bucket
-        self._prev_cum: list[torch.Tensor] = []  # the same of the last finished step
-        # this step: each bucket's share of the last step's squared norm (inf where it is 0 or NaN)
-        self._shares: tuple[torch.Tensor, ...] | None = None
+        # this step's running sum of squares after each of its first _k buckets (fp32 on the gradients' device; a
+        # buffer reused every other step), and the same of the last finished step (its first _prev_k entries)
+        self._cum: torch.Tensor | None = None
+        self._k = 0
+        self._prev_cum: torch.Tensor | None = None
+        self._prev_k = 0
+        self._coef: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> clip coefficient buffers
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
@@ -161,11 +168,12 @@ class GradientRelease:
             raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
         if not self._stepped and not self._pending:
             self._check_setup(p)
-        gi = self._opt_ref()._group_slot(p)[0]
+        slot = self._opt_ref()._group_slot(p)
+        gi = slot[0]
         bucket = self._pending.get(gi)
         if bucket is None:
             bucket = self._pending[gi] = []
-        bucket.append(p)
+        bucket.append((slot, p))
         numel = self._pending_numel.get(gi, 0) + dt.local(p).numel()
         self._pending_numel[gi] = numel
         if not self._queued:
@@ -197,26 +205,28 @@ class GradientRelease:
         """Step the pending parameters of every group, or of param group ``group`` alone (and ``extra``), then free
         their gradients."""
         if group is None:
-            params = [p for bucket in self._pending.values() for p in bucket] + (extra or [])
+            entries = [e for bucket in self._pending.values() for e in bucket]
             self._pending, self._pending_numel = {}, {}
         else:
-            params = self._pending.pop(group, []) + (extra or [])
+            entries = self._pending.pop(group, [])
             self._pending_numel.pop(group, None)
-        if not params:
+        if not entries and not extra:
             return
         t0 = time.perf_counter()
         opt = self._opt_ref()
+        entries += [(opt._group_slot(p), p) for p in extra or []]
         # In param-group order: each bucket's tensors then come in the order of the engine's cached launch plan for
         # them (its fast path), whatever order backward completed them in.
-        slots = sorted((opt._group_slot(p), i) for i, p in enumerate(params))
-        params = [params[i] for _, i in slots]
+        entries.sort(key=_SLOT)
+        slots = [slot for slot, _ in entries]
+        params = [p for _, p in entries]
         grads = [p.grad for p in params]
-        coef = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
-        if coef is not None:
-            _scale_([dt.local(g) for g in grads], coef)
+        coefs = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
+        if coefs is not None:
+            _scale_([dt.local(g) for g in grads], coefs)
         key = tuple(map(id, params))
         start = 0
-        for gi, run in itertools.groupby(slot[0] for slot, _ in slots):
+        for gi, run in itertools.groupby(slot[0] for slot in slots):
             end = start + sum(1 for _ in run)
             opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
             start = end
@@ -226,42 +236,41 @@ class GradientRelease:
         self.flushes += 1
         self.host_seconds += time.perf_counter() - t0
 
-    def _account(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
-        """Add this bucket's squared norm to the step's; the clip coefficient for it (None without clipping)."""
-        sq = _dtensor_sum_of_squares(grads) if dt.is_dtensor(grads[0]) else _sum_of_squares(grads)
-        if self._sumsq is None:
-            self._sumsq = sq
-        else:
-            self._sumsq = self._sumsq + _on(sq, self._sumsq.device)
-        self._cum.append(self._sumsq)
+    def _account(self, grads: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor] | None:
+        """Add this bucket's squared norm to the step's; its clip coefficient by gradient dtype (None without
+        clipping). One kernel launch on a GPU (:mod:`..engines.triton.kernels.release_norm`), else PyTorch
+        operations (:func:`release_norm_torch`)."""
+        parts, squared = _norm_parts(grads)
+        device, k = parts.device, self._k
+        if self._cum is None or self._cum.device != device:
+            self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=device)
+        elif k >= self._cum.numel():
+            grown = torch.empty(2 * self._cum.numel(), dtype=torch.float32, device=device)
+            grown[:k] = self._cum[:k]
+            self._cum = grown
+        prev_cum = None
+        if self._prev_cum is not None and k < self._prev_k:
+            prev_cum = _on(self._prev_cum, device)
+        prev_norm = None if self.grad_norm is None else _on(self.grad_norm, device).reshape(1)
+        lo = dt.local(grads[0]).dtype
+        coef = self._coef.get((device, lo))
+        if coef is None:
+            coef = self._coef[(device, lo)] = (
+                torch.empty(1, dtype=torch.float32, device=device),
+                torch.empty(1, dtype=lo, device=device),
+            )
+        _norm_impl(device)(parts, squared, self._cum, k, prev_cum, prev_norm, self.max_grad_norm, *coef)
+        self._k = k + 1
         if self.max_grad_norm is None:
             return None
-        k = len(self._cum) - 1
-        if self.grad_norm is not None and k < len(self._prev_cum):
-            # this step's norm, estimated from its released part and the previous step's share of that part: with
-            # share s of the previous step's squared norm, max(S / s, S) (S where s is 0 or NaN: there the divisor
-            # is inf, S / inf = 0). The shares of every bucket: one division per step, at its first bucket, split
-            # into a list so that each bucket takes its own without an indexing operation.
-            if k == 0 or self._shares is None:
-                prev_total = _on(self.grad_norm, self._sumsq.device).square()
-                shares = _on(torch.stack(self._prev_cum), self._sumsq.device) / prev_total
-                self._shares = torch.where(shares > 0, shares, torch.inf).unbind()
-            norm = torch.maximum(self._sumsq / self._shares[k], self._sumsq).sqrt()
-        else:
-            norm = self._sumsq.sqrt()
-            if self.grad_norm is not None:
-                norm = torch.maximum(norm, _on(self.grad_norm, norm.device))
-        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        # A non-finite norm (inf/NaN gradient in this bucket or an earlier one): later buckets get a zero gradient.
-        coef = torch.nan_to_num(coef, nan=0.0)
-        return _on(coef, dt.local(grads[0]).device)
+        return {torch.float32: coef[0].reshape(()), lo: coef[1].reshape(())}
 
     # ---- the step boundary ---------------------------------------------------------------------------------------
 
     def current_norm(self) -> torch.Tensor | None:
         """This step's global gradient norm once its backward has run (before ``step()``), else the last step's."""
-        if self._sumsq is not None:
-            return self._sumsq.sqrt()
+        if self._k:
+            return self._cum[self._k - 1].sqrt()
         return self.grad_norm
 
     def finish_step(self) -> None:
@@ -278,21 +287,23 @@ class GradientRelease:
                         "was updated in this step's backward pass; stepping it again would update it twice. Do not "
                         "set .grad between backward() and step() with gradient release."
                     )
-                if not any(q is p for bucket in self._pending.values() for q in bucket):
+                if not any(q is p for bucket in self._pending.values() for _, q in bucket):
                     extra.append(p)  # a gradient set without backward, or a parameter without a hook
         self.flush(extra)
-        if self._sumsq is not None:
-            self.grad_norm = self._sumsq.sqrt()
-            self._prev_cum = self._cum
-        self._sumsq = None
-        self._cum = []
+        if self._k:
+            self.grad_norm = self._cum[self._k - 1].sqrt()
+            # the two buffers swap: the next step writes into the one this step read
+            self._prev_cum, self._cum = self._cum, self._prev_cum
+            self._prev_k = self._k
+        self._k = 0
         self._stepped = set()
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict:
         norm = None if self.grad_norm is None else float(self.grad_norm)
-        return {"prev_grad_norm": norm, "prev_partial_sumsq": [float(c) for c in self._prev_cum]}
+        partial = [] if self._prev_cum is None else self._prev_cum[: self._prev_k].tolist()
+        return {"prev_grad_norm": norm, "prev_partial_sumsq": partial}
 
     def load(self, saved: dict | None, device: torch.device | None) -> None:
         norm = (saved or {}).get("prev_grad_norm")
@@ -306,7 +317,9 @@ class GradientRelease:
         else:
             t = torch.tensor(float(norm), dtype=torch.float32, device=device)
             self.grad_norm = t
-        self._prev_cum = [torch.tensor(float(x), dtype=torch.float32, device=device) for x in partial]
+        self._prev_cum = torch.tensor([float(x) for x in partial], dtype=torch.float32, device=device)
+        self._prev_k = len(partial)
+        self._cum, self._k = None, 0
 
 
 def _state_dict_post_hook(ref: weakref.ref, optimizer, state_dict: dict) -> None:
@@ -345,16 +358,75 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device, non_blocking=True)
 
 
-def _scale_(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+def _scale_(grads: list[torch.Tensor], coefs: dict[torch.dtype, torch.Tensor]) -> None:
     """``g *= coef`` for every gradient, one fused multi-tensor multiply per gradient dtype. CUDA's fused path wants
-    the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per tensor), so it is
-    rounded to that dtype first, as ``torch.nn.utils.clip_grad_norm_`` computes it for bf16 gradients (its norm is in
-    the gradients' dtype)."""
+    the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per tensor), so
+    ``coefs`` holds it rounded to the bucket's gradient dtype besides fp32, as ``torch.nn.utils.clip_grad_norm_``
+    computes it for bf16 gradients (its norm is in the gradients' dtype); another dtype gets the fp32 one rounded."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)
     for dtype, same in by_dtype.items():
-        torch._foreach_mul_(same, coef if coef.dtype == dtype else coef.to(dtype))
+        coef = coefs.get(dtype)
+        coef = coef if coef is not None else coefs[torch.float32].to(dtype)
+        torch._foreach_mul_(same, _on(coef, same[0].device))
+
+
+def _norm_parts(grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """``(parts, squared)``: the per-tensor norms of a bucket on one device (fp32, ``squared`` False), or its sum of
+    squares as one element (``squared`` True) for DTensor gradients (reduced over the mesh) and several devices."""
+    if dt.is_dtensor(grads[0]):
+        return _dtensor_sum_of_squares(grads).reshape(1), True
+    device = grads[0].device
+    if all(g.device == device for g in grads):
+        return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)), False
+    return _sum_of_squares(grads).reshape(1), True
+
+
+def release_norm_torch(
+    parts: torch.Tensor,
+    squared: bool,
+    cum: torch.Tensor,
+    k: int,
+    prev_cum: torch.Tensor | None,
+    prev_norm: torch.Tensor | None,
+    max_norm: float | None,
+    coef: torch.Tensor,
+    coef_lo: torch.Tensor,
+) -> None:
+    """A bucket's norm bookkeeping in PyTorch operations (the kernel of ``release_norm`` computes the same).
+
+    ``cum[k]`` = ``cum[k - 1]`` (0 for the first bucket) + the bucket's sum of squares. With ``max_norm``, the step's
+    norm estimate ``N``: with the previous step's running sums ``prev_cum`` (holding entry ``k``) and norm, the share
+    ``s = prev_cum[k] / prev_norm**2`` and ``N = sqrt(max(S / s, S))`` (``sqrt(S)`` where ``s`` is not positive);
+    without them ``N = max(sqrt(S), prev_norm)`` (``sqrt(S)`` on the first step). ``coef`` = ``min(1, max_norm / (N +
+    1e-6))``, 0 where that is NaN; ``coef_lo`` the same rounded to its dtype."""
+    sq = parts.sum() if squared else parts.square().sum()
+    s = sq if k == 0 else cum[k - 1] + sq
+    cum[k] = s
+    if max_norm is None:
+        return
+    if prev_cum is not None and prev_norm is not None:
+        share = prev_cum[k] / prev_norm[0].square()
+        norm = torch.where(share > 0, torch.maximum(s / share, s), s).sqrt()
+    else:
+        norm = s.sqrt()
+        if prev_norm is not None:
+            norm = torch.maximum(norm, prev_norm[0])
+    value = torch.div(torch.full_like(norm, max_norm), norm + 1e-6)
+    value = torch.nan_to_num(torch.where(value > 1.0, 1.0, value), nan=0.0)
+    coef.copy_(value.reshape(1))
+    coef_lo.copy_(value.reshape(1))
+
+
+def _norm_impl(device: torch.device) -> Callable:
+    """The bucket norm bookkeeping for gradients on ``device``: one kernel launch on a GPU, PyTorch operations
+    elsewhere."""
+    if device.type != "cuda":
+        return release_norm_torch
+    from ..engines.triton.kernels.release_norm import release_norm_
+
+    return release_norm_
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:

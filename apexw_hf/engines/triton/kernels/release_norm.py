@@ -1,0 +1,129 @@
+"""One launch per gradient-release bucket for the step's running gradient norm and the bucket's clip coefficient.
+
+Gradient release (:mod:`apexw_hf.optim.release`) adds each bucket's sum of squares to the step's running sum and,
+with clipping, turns it into the coefficient its gradients are multiplied by before their update. Written as PyTorch
+operations on 0-d tensors that is about a dozen small operations per bucket, each a few tens of microseconds of host
+time on autograd's thread, where the GPU of a small model waits for them. This kernel does the same arithmetic in
+one launch; :func:`apexw_hf.optim.release.release_norm_torch` is the same computation in PyTorch operations (CPU
+tensors, and the reference the kernel is tested against). Divisions and square roots are the correctly rounded
+``div_rn`` / ``sqrt_rn``, as PyTorch computes them, no multiply-add is fused, and the bf16 coefficient is rounded
+to nearest even on the bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ._rounding import f32_to_bf16_bits_nearest
+from .launch import INTERPRETED
+
+BLOCK = 128
+
+
+@triton.jit(do_not_specialize=["n", "k"])
+def _release_norm_kernel(
+    parts_ptr,  # fp32 [n]: the bucket's per-tensor norms, or (SQUARED) their sums of squares
+    n,
+    cum_ptr,  # fp32 [>= k + 1]: this step's running sum of squares after each bucket; [k] is written
+    k,  # this bucket's index in the step
+    prev_cum_ptr,  # fp32: the previous step's running sums (USE_SHARE)
+    prev_norm_ptr,  # fp32 [1]: the previous step's global norm (HAS_PREV)
+    max_norm,
+    coef_ptr,  # fp32 [1]: the clip coefficient (CLIP)
+    coef_lo_ptr,  # [1] in the gradients' dtype: the same, rounded to nearest even (CLIP)
+    SQUARED: tl.constexpr,
+    USE_SHARE: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    CLIP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        x = tl.load(parts_ptr + start + offs, mask=start + offs < n, other=0.0)
+        if SQUARED:
+            acc += x
+        else:
+            acc += x * x
+    sq = tl.sum(acc, axis=0)
+    before = tl.load(cum_ptr + tl.maximum(k - 1, 0))
+    s = tl.where(k > 0, before + sq, sq)
+    tl.store(cum_ptr + k, s)
+    if CLIP:
+        if USE_SHARE:
+            prev_norm = tl.load(prev_norm_ptr)
+            share = tl.math.div_rn(tl.load(prev_cum_ptr + k), prev_norm * prev_norm)
+            scaled = tl.maximum(tl.math.div_rn(s, share), s, propagate_nan=tl.PropagateNan.ALL)
+            norm = tl.sqrt_rn(tl.where(share > 0, scaled, s))
+        else:
+            norm = tl.sqrt_rn(s)
+            if HAS_PREV:
+                norm = tl.maximum(norm, tl.load(prev_norm_ptr), propagate_nan=tl.PropagateNan.ALL)
+        coef = tl.math.div_rn(max_norm + tl.zeros_like(norm), norm + 1e-6)
+        coef = tl.where(coef > 1.0, 1.0, coef)
+        coef = tl.where(coef == coef, coef, 0.0)  # a non-finite norm: the later buckets get a zero gradient
+        tl.store(coef_ptr, coef)
+        if coef_lo_ptr.dtype.element_ty == tl.bfloat16:  # on the bits: the interpreter truncates on .to(bf16)
+            tl.store(coef_lo_ptr.to(tl.pointer_type(tl.uint16)), f32_to_bf16_bits_nearest(coef))
+        else:
+            tl.store(coef_lo_ptr, coef.to(coef_lo_ptr.dtype.element_ty))
+
+
+_compiled: dict[tuple, object] = {}
+
+
+def release_norm_(
+    parts: torch.Tensor,
+    squared: bool,
+    cum: torch.Tensor,
+    k: int,
+    prev_cum: torch.Tensor | None,
+    prev_norm: torch.Tensor | None,
+    max_norm: float | None,
+    coef: torch.Tensor,
+    coef_lo: torch.Tensor,
+) -> None:
+    """Write ``cum[k]`` (and, with ``max_norm``, ``coef`` / ``coef_lo``) from ``parts``, as
+    :func:`apexw_hf.optim.release.release_norm_torch` computes them. ``prev_cum`` (the previous step's running
+    sums, holding an entry ``k``) selects the share estimate; ``prev_norm`` alone the fallback."""
+    use_share = max_norm is not None and prev_cum is not None and prev_norm is not None
+    constexprs = (bool(squared), use_share, prev_norm is not None, max_norm is not None, BLOCK)
+    args = (
+        parts,
+        parts.numel(),
+        cum,
+        int(k),
+        prev_cum if prev_cum is not None else cum,
+        prev_norm if prev_norm is not None else cum,
+        float(max_norm or 0.0),
+        coef,
+        coef_lo,
+    )
+    key = (parts.device, coef_lo.dtype, constexprs)
+    compiled = _compiled.get(key)
+    index = parts.device.index
+    guard = (
+        torch.cuda.device(index)
+        if not INTERPRETED and index is not None and index != torch.cuda.current_device()
+        else contextlib.nullcontext()
+    )
+    with guard:
+        if compiled is not None:
+            compiled[(1, 1, 1)](*args, *constexprs)
+            return
+        compiled = _release_norm_kernel[(1,)](
+            *args,
+            SQUARED=constexprs[0],
+            USE_SHARE=constexprs[1],
+            HAS_PREV=constexprs[2],
+            CLIP=constexprs[3],
+            BLOCK=BLOCK,
+            num_warps=1,
+            enable_fp_fusion=False,
+        )
+    if not INTERPRETED:
+        _compiled[key] = compiled
