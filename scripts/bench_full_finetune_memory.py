@@ -352,6 +352,8 @@ TIMED_CALLS = (
     "apexw_hf.optim.release:GradientRelease.on_grad_ready",
     "apexw_hf.optim.release:GradientRelease.flush",
     "apexw_hf.optim.release:GradientRelease._account",
+    "apexw_hf.optim.release:_norm_parts",
+    "apexw_hf.engines.triton.kernels.release_norm:release_norm_",
     "apexw_hf.optim.release:_scale_",
     "apexw_hf.engines.triton.engine:TritonEngine.step_group",
     "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
