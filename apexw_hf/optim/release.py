@@ -245,7 +245,7 @@ class GradientRelease:
         if self._cum is None or self._cum.device != device:
             self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=device)
         elif k >= self._cum.numel():
-            grown = torch.empty(2 * self._cum.numel(), dtype=torch.float32, device=device)
+            grown = torch.empty(max(64, 2 * k), dtype=torch.float32, device=device)
             grown[:k] = self._cum[:k]
             self._cum = grown
         prev_cum = None

@@ -1,4 +1,5 @@
-"""Compile every specialization of the AdamW kernel for a GPU target on the CPU and check the PTX.
+"""Compile every specialization of the AdamW kernel (and of gradient release's norm kernel) for a GPU target on the
+CPU and check the PTX.
 
 Run as a script (without TRITON_INTERPRET): ``python tests/kernels/aot_check.py 75``. Prints one line per
 specialization and exits non-zero if any PTX holds a hardware bf16 conversion (``cvt.rn.bf16``, absent before
@@ -15,6 +16,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from apexw_hf.engines.triton.kernels.adamw import _adamw_kernel
+from apexw_hf.engines.triton.kernels.release_norm import BLOCK, _release_norm_kernel
 
 SIGNATURE = {
     "cstart_ptr": "*i32",
@@ -85,8 +87,48 @@ def specializations():
         yield _spec(fmt, "bf16", "bf16", ALIGNED=False, ROWS=1), 1  # whole blocks, unaligned
 
 
+def release_norm_specializations():
+    """(signature, constexprs) of the release norm kernel: with and without clipping, each estimate, each dtype of
+    the rounded coefficient."""
+    for lo, (squared, use_share, has_prev, clip) in itertools.product(
+        ("fp32", "bf16", "fp16"),
+        [
+            (False, False, False, False),
+            (False, False, False, True),
+            (False, False, True, True),
+            (False, True, True, True),
+            (True, True, True, True),
+        ],
+    ):
+        signature = {
+            "parts_ptr": "*fp32",
+            "n": "i32",
+            "cum_ptr": "*fp32",
+            "k": "i32",
+            "prev_cum_ptr": "*fp32",
+            "prev_norm_ptr": "*fp32",
+            "max_norm": "fp32",
+            "coef_ptr": "*fp32",
+            "coef_lo_ptr": f"*{lo}",
+        }
+        spec = dict(SQUARED=squared, USE_SHARE=use_share, HAS_PREV=has_prev, CLIP=clip, BLOCK=BLOCK)
+        yield signature, spec
+
+
 def main(cc: int) -> int:
     failures = 0
+    for signature, spec in release_norm_specializations():
+        t0 = time.time()
+        src = triton.compiler.ASTSource(
+            fn=_release_norm_kernel, signature={**signature, **{k: "constexpr" for k in spec}}, constexprs=spec
+        )
+        k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 1, "enable_fp_fusion": False})
+        ptx = k.asm["ptx"]
+        bad = [b for b in BAD if re.search(b, ptx, re.M)]
+        bad += [f"missing {r}" for r in REQUIRED if spec["CLIP"] and not re.search(r, ptx)]
+        failures += bool(bad)
+        name = f"release_norm lo={signature['coef_lo_ptr']} " + " ".join(f"{k}={v}" for k, v in spec.items())
+        print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
     for spec, warps in specializations():
         t0 = time.time()
         src = triton.compiler.ASTSource(

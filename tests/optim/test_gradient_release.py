@@ -170,6 +170,21 @@ def test_resume_continues_bit_for_bit(tmp_path):
         assert torch.equal(p, q)
 
 
+def test_loading_a_state_dict_from_before_the_first_step_then_training():
+    """A checkpoint saved before any step (no partial sums yet) loads, and training then runs several buckets per
+    backward and several steps exactly as an optimizer that never loaded it."""
+    a, b = make(), make()
+    kw = dict(state_format="8bit", gradient_release=True, max_grad_norm=0.5, release_bucket_size=300)
+    oa, ob = ApexW(groups(a), **kw), ApexW(groups(b), **kw)
+    ob.load_state_dict(copy.deepcopy(ApexW(groups(make()), **kw).state_dict()))
+    train(a, oa, 4)
+    train(b, ob, 4)
+    assert oa._release.flushes > 8
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert torch.equal(oa.grad_norm, ob.grad_norm)
+
+
 def test_export_to_torch_adamw_after_release():
     model = make()
     opt = ApexW(model.parameters(), state_format="compact", gradient_release=True)
@@ -239,7 +254,9 @@ def test_nonfinite_gradient_with_clipping_stays_in_its_tensor_and_later_buckets(
     a = torch.nn.Parameter(torch.ones(4))
     b = torch.nn.Parameter(torch.ones(4))
     c = torch.nn.Parameter(torch.ones(4))
-    opt = ApexW([a, b, c], lr=0.1, state_format="fp32", gradient_release=True, max_grad_norm=1.0, release_bucket_size=1)
+    opt = ApexW(
+        [a, b, c], lr=0.1, state_format="fp32", gradient_release=True, max_grad_norm=1.0, release_bucket_size=1
+    )
     # backward reaches c first, then b (NaN), then a
     (a.sum() * float("nan") * 0 + (b * torch.tensor([1.0, float("nan"), 1.0, 1.0])).sum() + c.sum()).backward()
     opt.step()
