@@ -106,7 +106,9 @@ class GradientRelease:
         self._k = 0
         self._prev_cum: torch.Tensor | None = None
         self._prev_k = 0
-        self._coef: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, dtype) -> clip coefficient buffers
+        # (device, gradient dtype) -> the clip coefficient's buffers (fp32, that dtype) and their 0-d views by dtype
+        self._coef: dict[tuple, tuple[torch.Tensor, torch.Tensor, dict]] = {}
+        self._prev_norm: torch.Tensor | None = None  # grad_norm as a 1-element tensor on the gradients' device
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         self.flushes = 0  # bucket launches since construction (a diagnostic)
@@ -251,19 +253,21 @@ class GradientRelease:
         prev_cum = None
         if self._prev_cum is not None and k < self._prev_k:
             prev_cum = _on(self._prev_cum, device)
-        prev_norm = None if self.grad_norm is None else _on(self.grad_norm, device).reshape(1)
+        prev_norm = None
+        if self.grad_norm is not None:
+            if self._prev_norm is None or self._prev_norm.device != device:
+                self._prev_norm = _on(self.grad_norm, device).reshape(1)
+            prev_norm = self._prev_norm
         lo = dt.local(grads[0]).dtype
         coef = self._coef.get((device, lo))
         if coef is None:
-            coef = self._coef[(device, lo)] = (
-                torch.empty(1, dtype=torch.float32, device=device),
-                torch.empty(1, dtype=lo, device=device),
-            )
-        _norm_impl(device)(parts, squared, self._cum, k, prev_cum, prev_norm, self.max_grad_norm, *coef)
+            c32 = torch.empty(1, dtype=torch.float32, device=device)
+            c_lo = torch.empty(1, dtype=lo, device=device)
+            # the buffers the kernel writes, and the 0-d views the gradients are multiplied by
+            coef = self._coef[(device, lo)] = (c32, c_lo, {torch.float32: c32.reshape(()), lo: c_lo.reshape(())})
+        _norm_impl(device)(parts, squared, self._cum, k, prev_cum, prev_norm, self.max_grad_norm, coef[0], coef[1])
         self._k = k + 1
-        if self.max_grad_norm is None:
-            return None
-        return {torch.float32: coef[0].reshape(()), lo: coef[1].reshape(())}
+        return None if self.max_grad_norm is None else coef[2]
 
     # ---- the step boundary ---------------------------------------------------------------------------------------
 
@@ -292,6 +296,7 @@ class GradientRelease:
         self.flush(extra)
         if self._k:
             self.grad_norm = self._cum[self._k - 1].sqrt()
+            self._prev_norm = None
             # the two buffers swap: the next step writes into the one this step read
             self._prev_cum, self._cum = self._cum, self._prev_cum
             self._prev_k = self._k
@@ -319,7 +324,7 @@ class GradientRelease:
             self.grad_norm = t
         self._prev_cum = torch.tensor([float(x) for x in partial], dtype=torch.float32, device=device)
         self._prev_k = len(partial)
-        self._cum, self._k = None, 0
+        self._cum, self._k, self._prev_norm = None, 0, None
 
 
 def _state_dict_post_hook(ref: weakref.ref, optimizer, state_dict: dict) -> None:

@@ -110,6 +110,20 @@ class TritonEngine:
         self.grad_moves = 0
         self._scalars_key: tuple | None = None  # (step, lr, betas, eps, weight_decay) of the last uniform step
         self._scalars = None
+        self._hp_memo: dict[int, tuple[tuple, dict[str, float]]] = {}  # id(group) -> (its raw values, step_hparams)
+
+    def _hparams(self, group: dict) -> dict[str, float]:
+        """``step_hparams(group)``, read again only when one of the group's values is another object than at its last
+        read (a scheduler sets a new float; gradient release reads a group once per bucket). Tensor values are read
+        every time: a scheduler may change them in place."""
+        raw = (group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        memo = self._hp_memo.get(id(group))
+        if memo is not None and all(map(operator.is_, memo[0], raw)):
+            return memo[1]
+        hp = step_hparams(group)
+        if not any(isinstance(v, torch.Tensor) for v in (raw[0], *raw[1], raw[2], raw[3])):
+            self._hp_memo[id(group)] = (raw, hp)
+        return hp
 
     def invalidate(self) -> None:
         """Forget all cached launch metadata (state tensors were replaced)."""
@@ -208,13 +222,13 @@ class TritonEngine:
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
-        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``bucket``: a hashable
-        name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps its own
-        launch plan, so one launch covers exactly its tensors.
+        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``bucket``: a
+        hashable name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps
+        its own launch plan, so one launch covers exactly its tensors.
         """
         if not params:
             return
-        hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
+        hp = self._hparams(group)  # before any step counter moves: a bad value then changes nothing
         if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
             ptrs = [g.to_local().data_ptr() for g in grads]
         else:
@@ -251,15 +265,20 @@ class TritonEngine:
             cache.grad_ptrs = slot_ptrs
             self.grad_moves += 1
 
-        # Step counters: all cached params in one add, or only the stepping ones.
+        # Step counters: all cached params in one add (on the numpy view of the counters' buffer: a fraction of the
+        # host time of a tensor operation), or only the stepping ones.
         if full:
-            cache.steps += 1
+            cache.steps_np += 1
             stepping = cache.steps_np
         else:
             active = torch.tensor([cache.slot_of[i] for i in ids], dtype=torch.int64)
             cache.steps.index_add_(0, active, torch.ones(len(ids), dtype=torch.float32))
             stepping = cache.steps_np[active.numpy()]
-        lo, hi = int(stepping.min()), int(stepping.max())
+        if len(stepping) <= 64:  # a bucket of gradient release: Python's min/max of a short list beat numpy's
+            counts = stepping.tolist()
+            lo, hi = int(min(counts)), int(max(counts))
+        else:
+            lo, hi = int(stepping.min()), int(stepping.max())
 
         uniform = lo == hi
         if uniform:
