@@ -22,8 +22,10 @@
 #          release + Liger cells and torch fused @fp32, 20 steps; then the 1B 4-bit pair again (a second sample of
 #          the speed ratio, taken after the others); each within MEMORY_SECONDS (520) in all.
 # release_speed: the 1B speed target of gradient release (s/step within 1.05x of the same optimizer without it):
-#          apexw_8bit and apexw_4bit + Liger, each without and with release, RELEASE_ROUNDS (2) rounds of the four
-#          cells one after the other (pairs side by side in time), RELEASE_STEPS (50) steps each, 10 of warm-up.
+#          the release CUDA tests, then apexw_8bit and apexw_4bit + Liger, each without and with release,
+#          RELEASE_ROUNDS (2) rounds of the four cells one after the other (pairs side by side in time; with
+#          RELEASE_BUCKET_ALT the 4-bit release cell again at that bucket size), RELEASE_STEPS (50) steps each, 10 of
+#          warm-up; then the 4-bit pair once with --time-calls (host time per function).
 # release_probe: the two open targets of gradient release. (1) Llama-3.2-3B shapes at 11.06 GiB against <= 11:
 #          apexw_4bit_release + Liger with --snapshot (what is alive at the peak, by site) at the default bucket and at
 #          RELEASE_BUCKETS (8388608 16777216 elements: less gradient waiting for a launch, more launches), 12 steps;
@@ -84,13 +86,28 @@ case $part in
     tar czf "$out/memory.tgz" --exclude=trainer runs/memory_1b runs/memory_8b_3b runs/memory_1b_again
     ;;
   release_speed)
+    # the release kernels' CUDA tests first (the bucket norm kernel, release on the engine)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_release_norm.py \
+      tests/kernels/test_gradient_release_engine.py 2>&1 | tail -3 | tee "$out/release_tests.txt"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_gradient_release.py 2>&1 | tail -3 \
+      | tee -a "$out/release_tests.txt"
     for r in $(seq 1 "${RELEASE_ROUNDS:-2}"); do
       python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps "${RELEASE_STEPS:-50}" --warmup 10 --timeout 90 \
         --out "runs/release_speed_r$r" \
         --cells apexw_8bit+liger@bf16,apexw_8bit_release+liger@bf16,apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 \
         2>&1 | tee -a "$out/release_speed.log"
+      # RELEASE_BUCKET_ALT (elements): the 4-bit release cell again at that bucket size, in the same round
+      if [ -n "${RELEASE_BUCKET_ALT:-}" ]; then
+        python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps "${RELEASE_STEPS:-50}" --warmup 10 \
+          --timeout 90 --out "runs/release_speed_r$r" --optim-args "release_bucket_size=$RELEASE_BUCKET_ALT" \
+          --tag "bucket$RELEASE_BUCKET_ALT" --cells apexw_4bit_release+liger@bf16 2>&1 | tee -a "$out/release_speed.log"
+      fi
     done
-    tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_speed_r*
+    # where the host time of release goes (wrappers around the optimizer's functions: a little slower than above)
+    python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps 30 --warmup 10 --timeout 90 --time-calls \
+      --out runs/release_time_calls --cells apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 2>&1 \
+      | grep -v "^{'loss'" | tee -a "$out/release_speed.log"
+    tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_speed_r* runs/release_time_calls
     ;;
   release_probe)
     start=$SECONDS
