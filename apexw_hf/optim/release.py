@@ -50,6 +50,7 @@ What needs every gradient at once, and what happens to it here:
 from __future__ import annotations
 
 import functools
+import importlib
 import itertools
 import json
 import operator
@@ -76,7 +77,8 @@ _ACCUMULATION_ERROR = (
 )
 
 
-_SLOT = operator.itemgetter(0)
+_SLOT, _PARAM = operator.itemgetter(0), operator.itemgetter(1)
+_GRAD = operator.attrgetter("grad")
 
 
 def _queue_end_of_backward(fn: Callable[[], None]) -> None:
@@ -220,18 +222,21 @@ class GradientRelease:
         # In param-group order: each bucket's tensors then come in the order of the engine's cached launch plan for
         # them (its fast path), whatever order backward completed them in.
         entries.sort(key=_SLOT)
-        slots = [slot for slot, _ in entries]
-        params = [p for _, p in entries]
-        grads = [p.grad for p in params]
+        params = list(map(_PARAM, entries))
+        grads = list(map(_GRAD, params))
         coefs = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
         if coefs is not None:
-            _scale_([dt.local(g) for g in grads], coefs)
+            _scale_([dt.local(g) for g in grads] if dt.is_dtensor(grads[0]) else grads, coefs)
         key = tuple(map(id, params))
-        start = 0
-        for gi, run in itertools.groupby(slot[0] for slot in slots):
-            end = start + sum(1 for _ in run)
-            opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
-            start = end
+        first, last = entries[0][0][0], entries[-1][0][0]
+        if first == last:  # a bucket inside backward: one param group
+            opt._step_params(opt.param_groups[first], params, grads, bucket=key)
+        else:
+            start = 0
+            for gi, run in itertools.groupby(slot[0] for slot, _ in entries):
+                end = start + sum(1 for _ in run)
+                opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
+                start = end
         for p in params:
             p.grad = None
         self._stepped.update(key)
@@ -424,14 +429,23 @@ def release_norm_torch(
     coef_lo.copy_(value.reshape(1))
 
 
+_CUDA_NORM: list[Callable] = []  # the bucket norm for CUDA gradients, chosen at first use
+
+
 def _norm_impl(device: torch.device) -> Callable:
     """The bucket norm bookkeeping for gradients on ``device``: one kernel launch on a GPU, PyTorch operations
-    elsewhere."""
+    elsewhere, and on a GPU without triton (``engine="torch"`` needs none) or under the Triton interpreter (which
+    runs kernels on CPU tensors only)."""
     if device.type != "cuda":
         return release_norm_torch
-    from ..engines.triton.kernels.release_norm import release_norm_
-
-    return release_norm_
+    if not _CUDA_NORM:
+        try:
+            kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
+        except ImportError:
+            _CUDA_NORM.append(release_norm_torch)
+        else:
+            _CUDA_NORM.append(release_norm_torch if kernel.INTERPRETED else kernel.release_norm_)
+    return _CUDA_NORM[0]
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -305,3 +305,16 @@ def test_a_release_checkpoint_loads_into_an_optimizer_without_release():
     for p, q in zip(a.parameters(), b.parameters()):
         if p.requires_grad:
             assert torch.equal(oa.state[p]["exp_avg"], ob.state[q]["exp_avg"])
+
+
+def test_cuda_gradients_without_triton_take_the_pytorch_norm(monkeypatch):
+    """engine="torch" on a GPU needs no triton: without it (or under the Triton interpreter, which cannot read GPU
+    memory) the bucket norm of CUDA gradients is the PyTorch operations, the same arithmetic as the kernel."""
+    import sys
+
+    from apexw_hf.optim import release
+
+    monkeypatch.setattr(release, "_CUDA_NORM", [])
+    monkeypatch.setitem(sys.modules, "apexw_hf.engines.triton.kernels.release_norm", None)  # its import fails
+    assert release._norm_impl(torch.device("cuda")) is release.release_norm_torch
+    assert release._norm_impl(torch.device("cpu")) is release.release_norm_torch
