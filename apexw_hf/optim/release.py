@@ -22,6 +22,10 @@ this step (this bucket included) and ``S'`` / ``T'`` the same sum at the same bu
 shares of the squared norm are those of the previous step, whatever the overall scale, so a step whose gradients
 shrink or grow as a whole is clipped as exact clipping would; a spike in one tensor is clipped from its bucket on.
 The first step, or a step whose buckets differ from the previous one's, uses ``N = max(sqrt(S), previous norm)``.
+Per bucket this is the per-tensor norms (one fused operation), then one small kernel launch on a GPU that adds their
+squares to the step's running sums and computes the coefficient (``engines.triton.kernels.release_norm``; the same
+arithmetic as PyTorch operations, :func:`release_norm_torch`, elsewhere), then one fused multiply: on a small model the
+GPU waits for this host time, so it is kept to a few launches.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
 partial sums (a resumed run clips exactly as an unbroken one). They are saved twice: under the state dict's
