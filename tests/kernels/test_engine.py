@@ -367,21 +367,26 @@ def test_engine_checks_gradients_that_moved(case):
     assert opt._engine.grad_moves == 2  # the refused step is not counted
 
 
-@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float_lr", "tensor_lr_in_place"])
-def test_engine_reads_a_changed_lr_every_step(tensor_lr):
-    """The engine keeps a group's hyperparameters while they are the same objects; a scheduler's new float, and a
-    tensor lr changed in place, are read at the next step (as the plain-PyTorch path reads them)."""
+@pytest.mark.parametrize("change", ["float_lr", "tensor_lr_in_place", "betas_list_in_place"])
+def test_engine_reads_changed_hyperparameters_every_step(change):
+    """The engine keeps a group's hyperparameters while they are the same objects; a scheduler's new float, a tensor
+    lr changed in place and a betas list changed in place are read at the next step (as the plain-PyTorch path reads
+    them)."""
     runs = []
     for engine in ("torch", "triton"):
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(300, device=DEVICE))
-        opt = ApexW([p], lr=torch.tensor(1e-2) if tensor_lr else 1e-2, state_format="8bit", engine=engine)
+        lr = torch.tensor(1e-2) if change == "tensor_lr_in_place" else 1e-2
+        opt = ApexW([p], lr=lr, betas=[0.9, 0.999], state_format="8bit", engine=engine)
         for t in range(4):
             p.grad = torch.randn(300, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(t))
             opt.step()
-            if tensor_lr:
-                opt.param_groups[0]["lr"].mul_(0.5)
+            group = opt.param_groups[0]
+            if change == "tensor_lr_in_place":
+                group["lr"].mul_(0.5)
+            elif change == "float_lr":
+                group["lr"] = group["lr"] * 0.5
             else:
-                opt.param_groups[0]["lr"] = opt.param_groups[0]["lr"] * 0.5
+                group["betas"][0] -= 0.1
         runs.append(p.detach().clone())
     assert same_bits(runs[0], runs[1]), mismatch(runs[0], runs[1])

@@ -116,12 +116,12 @@ class TritonEngine:
         """``step_hparams(group)``, read again only when one of the group's values is another object than at its last
         read (a scheduler sets a new float; gradient release reads a group once per bucket). Tensor values are read
         every time: a scheduler may change them in place."""
-        raw = (group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        raw = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])  # betas unpacked: a list may change
         memo = self._hp_memo.get(id(group))
-        if memo is not None and all(map(operator.is_, memo[0], raw)):
+        if memo is not None and len(raw) == len(memo[0]) and all(map(operator.is_, memo[0], raw)):
             return memo[1]
         hp = step_hparams(group)
-        if not any(isinstance(v, torch.Tensor) for v in (raw[0], *raw[1], raw[2], raw[3])):
+        if not any(isinstance(v, torch.Tensor) for v in raw):
             self._hp_memo[id(group)] = (raw, hp)
         return hp
 
