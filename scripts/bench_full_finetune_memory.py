@@ -374,9 +374,7 @@ def install_call_timers() -> dict[str, list]:
         *path, attr = qual.split(".")
         for part in path:
             owner = getattr(owner, part)
-        fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-        if isinstance(fn, staticmethod):
-            continue  # not wrapped: its callers are
+        fn = getattr(owner, attr)
         totals[qual] = acc = [0, 0.0]
 
         def timed(*a, _fn=fn, _acc=acc, **k):

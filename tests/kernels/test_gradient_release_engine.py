@@ -48,7 +48,7 @@ def test_release_with_clipping_through_the_norm_kernel(fmt, monkeypatch):
         train(model, opt, 3)
         runs.append((model, opt))
     (a, oa), (b, ob) = runs
-    assert oa._release.flushes > 6 and 0 < oa.grad_norm.item() and oa.grad_norm.item() > 0.05  # clipping acted
+    assert oa._release.flushes > 6 and oa.grad_norm.item() > 0.05  # clipping acted
     torch.testing.assert_close(oa.grad_norm, ob.grad_norm, rtol=1e-6, atol=0)
     sa, sb = oa.state_dict()["gradient_release"], ob.state_dict()["gradient_release"]
     assert len(sa["prev_partial_sumsq"]) == len(sb["prev_partial_sumsq"]) > 2
