@@ -252,10 +252,14 @@ class GradientRelease:
         clipping). One kernel launch on a GPU (:mod:`..engines.triton.kernels.release_norm`), else PyTorch
         operations (:func:`release_norm_torch`)."""
         parts, squared = _norm_parts(grads)
-        device, k = parts.device, self._k
-        if self._cum is None or self._cum.device != device:
-            self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=device)
-        elif k >= self._cum.numel():
+        k = self._k
+        if self._cum is None or (k == 0 and self._cum.device != parts.device):
+            self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=parts.device)
+        # a step's running sums stay on the device of its first bucket (param groups on several devices: a model
+        # split over GPUs puts each device's parameters in their own group, so buckets come from several devices)
+        device = self._cum.device
+        parts = _on(parts, device)
+        if k >= self._cum.numel():
             grown = torch.empty(max(64, 2 * k), dtype=torch.float32, device=device)
             grown[:k] = self._cum[:k]
             self._cum = grown
@@ -368,22 +372,26 @@ def _load_state_dict_pre_hook(optimizer, state_dict: dict) -> dict:
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device`` (a non-blocking copy only where it is elsewhere: ``.to`` costs host time even when not)."""
-    return t if t.device == device else t.to(device, non_blocking=True)
+    """``t`` on ``device``: a copy only where it is elsewhere (``.to`` costs host time even when not), not waited for
+    on a GPU (ordered on its stream); one to the CPU waits, since CPU operations read it at once."""
+    if t.device == device:
+        return t
+    return t.to(device, non_blocking=device.type != "cpu")
 
 
 def _scale_(grads: list[torch.Tensor], coefs: dict[torch.dtype, torch.Tensor]) -> None:
-    """``g *= coef`` for every gradient, one fused multi-tensor multiply per gradient dtype. CUDA's fused path wants
-    the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per tensor), so
-    ``coefs`` holds it rounded to the bucket's gradient dtype besides fp32, as ``torch.nn.utils.clip_grad_norm_``
-    computes it for bf16 gradients (its norm is in the gradients' dtype); another dtype gets the fp32 one rounded."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    """``g *= coef`` for every gradient, one fused multi-tensor multiply per device and gradient dtype. CUDA's fused
+    path wants the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per
+    tensor), so ``coefs`` holds it rounded to the bucket's gradient dtype besides fp32, as
+    ``torch.nn.utils.clip_grad_norm_`` computes it for bf16 gradients (its norm is in the gradients' dtype); another
+    dtype gets the fp32 one rounded."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for dtype, same in by_dtype.items():
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), same in by_kind.items():
         coef = coefs.get(dtype)
         coef = coef if coef is not None else coefs[torch.float32].to(dtype)
-        torch._foreach_mul_(same, _on(coef, same[0].device))
+        torch._foreach_mul_(same, _on(coef, device))
 
 
 def _norm_parts(grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:

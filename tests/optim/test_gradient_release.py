@@ -125,7 +125,7 @@ def test_clipping_follows_its_rule_and_logs_the_true_norm():
     opt = ApexW(model.parameters(), lr=1e-2, state_format="fp32", gradient_release=True, max_grad_norm=0.05)
     ref = make()
     ref_opt = ApexW(ref.parameters(), lr=1e-2, state_format="fp32")
-    prev = None
+    prev = prev_sumsq = None
     for t in range(3):
         loss_of(ref, t).backward()
         grads = [p.grad for p in ref.parameters() if p.grad is not None]
@@ -289,6 +289,54 @@ def test_release_on_cuda_kernels_is_bit_identical(fmt):
             opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
+
+
+class TwoDevices(torch.nn.Module):
+    """Five layers alternating between two devices, one param group per device (a param group holds one device).
+    With buckets of 3,000 elements, backward flushes the fourth layer (``first``), then the third and fifth
+    (``second``), and the end-of-backward flush takes the first two layers, one from each device."""
+
+    def __init__(self, first, second):
+        super().__init__()
+        torch.manual_seed(0)
+        sizes = [16, 16, 64, 64, 64, 8]
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(i, o).to(first if k % 2 else second) for k, (i, o) in enumerate(zip(sizes, sizes[1:]))
+        )
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x.to(layer.weight.device))
+            x = torch.nn.functional.gelu(x) if i + 1 < len(self.layers) else x
+        return x.cpu()
+
+    def groups(self):
+        return [{"params": [p for layer in self.layers[k::2] for p in layer.parameters()]} for k in (1, 0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first, second", [("cuda", "cpu"), ("cpu", "cuda")])
+def test_release_with_clipping_on_param_groups_of_two_devices(first, second):
+    """Buckets from two devices in one backward: the step's running sums stay on one device (a bucket from the other
+    adds to them, not to a fresh buffer), and the end-of-backward flush scales each device's gradients with a
+    coefficient on that device. Against the same model on one device: the same clipping and updates, up to the
+    rounding of the per-tensor norms on the other device."""
+    split, single = TwoDevices(first, second), TwoDevices("cpu", "cpu")
+    kw = dict(lr=1e-2, state_format="8bit", gradient_release=True, max_grad_norm=0.01, release_bucket_size=3000)
+    os_, o1 = ApexW(split.groups(), **kw), ApexW(single.groups(), **kw)
+    for t in range(4):
+        x = torch.randn(32, 16, generator=torch.Generator().manual_seed(t))
+        norms = []
+        for model, opt in ((split, os_), (single, o1)):
+            model(x).square().mean().backward()
+            norms.append(opt._release.current_norm().item())
+            opt.step()
+            opt.zero_grad()
+            assert opt._release.flushes == 3 * (t + 1)
+        torch.testing.assert_close(norms[0], norms[1], rtol=1e-5, atol=0)
+        assert norms[1] > 0.01  # the clip was active
+    for p, q in zip(split.parameters(), single.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_release_checkpoint_loads_into_an_optimizer_without_release():

@@ -9,6 +9,7 @@ copies: no host-device synchronization.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -100,6 +101,16 @@ _STATE_DTYPES = {
     # format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
     "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
 }
+
+
+def device_guard(device: torch.device):
+    """A context in which Triton launches on ``device``: Triton launches on the current CUDA device, so a tensor on
+    another GPU (a model moved to ``cuda:1`` without ``torch.cuda.set_device``) needs a device guard; none is entered
+    on the current device, under the interpreter, or for a device without an index."""
+    index = device.index
+    if INTERPRETED or index is None or index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def _copy_from_host_(dst: torch.Tensor, values) -> None:
@@ -243,12 +254,8 @@ class LaunchPlan:
         """
         if self.num_work == 0:
             return
-        index = self.device.index
-        if INTERPRETED or index is None or index == torch.cuda.current_device():
+        with device_guard(self.device):
             self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
-        else:
-            with torch.cuda.device(index):
-                self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
 
     def _cap(self, constexprs: tuple) -> int | None:
         """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""

@@ -12,14 +12,12 @@ to nearest even on the bits.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ._rounding import f32_to_bf16_bits_nearest
-from .launch import INTERPRETED
+from .launch import INTERPRETED, device_guard
 
 BLOCK = 128
 
@@ -105,13 +103,7 @@ def release_norm_(
     )
     key = (parts.device, coef_lo.dtype, constexprs)
     compiled = _compiled.get(key)
-    index = parts.device.index
-    guard = (
-        torch.cuda.device(index)
-        if not INTERPRETED and index is not None and index != torch.cuda.current_device()
-        else contextlib.nullcontext()
-    )
-    with guard:
+    with device_guard(parts.device):
         if compiled is not None:
             compiled[(1, 1, 1)](*args, *constexprs)
             return
