@@ -22,10 +22,14 @@
 #          release + Liger cells and torch fused @fp32, 20 steps; then the 1B 4-bit pair again (a second sample of
 #          the speed ratio, taken after the others); each within MEMORY_SECONDS (520) in all.
 # release_speed: the 1B speed target of gradient release (s/step within 1.05x of the same optimizer without it):
-#          the release CUDA tests, then apexw_8bit and apexw_4bit + Liger, each without and with release,
+#          the release CUDA tests; scripts/bench_release_overhead.py for apexw_4bit and apexw_8bit + Liger (one
+#          process each, OVERHEAD_ROUNDS (6) rounds of 25-step blocks without and with release, alternating; with
+#          RELEASE_BUCKET_ALT the 4-bit pair again at that bucket size); then through the Trainer apexw_8bit and
+#          apexw_4bit + Liger, each without and with release,
 #          RELEASE_ROUNDS (2) rounds of the four cells one after the other (pairs side by side in time; with
 #          RELEASE_BUCKET_ALT the 4-bit release cell again at that bucket size), RELEASE_STEPS (50) steps each, 10 of
-#          warm-up; then the 4-bit pair once with --time-calls (host time per function).
+#          warm-up; then the 4-bit pair once with --time-calls (host time per function); the Trainer rounds and the
+#          --time-calls pair only while RELEASE_SECONDS (540) since the tests last.
 # release_probe: the two open targets of gradient release. (1) Llama-3.2-3B shapes at 11.06 GiB against <= 11:
 #          apexw_4bit_release + Liger with --snapshot (what is alive at the peak, by site) at the default bucket and at
 #          RELEASE_BUCKETS (8388608 16777216 elements: less gradient waiting for a launch, more launches), 12 steps;
@@ -91,7 +95,23 @@ case $part in
       tests/kernels/test_gradient_release_engine.py 2>&1 | tail -3 | tee "$out/release_tests.txt"
     timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_gradient_release.py 2>&1 | tail -3 \
       | tee -a "$out/release_tests.txt"
+    # one process per format: blocks without and with release alternate on one model (drift between processes cancels)
+    start=$SECONDS
+    left() { echo $(( ${RELEASE_SECONDS:-540} - (SECONDS - start) )); }
+    for f in 4bit 8bit; do
+      timeout 200 python3 scripts/bench_release_overhead.py --shape 1b --format $f --liger \
+        --rounds "${OVERHEAD_ROUNDS:-6}" --steps 25 --warmup 5 --out "runs/release_overhead/1b_${f}_liger.json" 2>&1 \
+        | grep -v "^\[transformers\]\|warn" | tee -a "$out/release_speed.log"
+    done
+    if [ -n "${RELEASE_BUCKET_ALT:-}" ]; then
+      timeout 200 python3 scripts/bench_release_overhead.py --shape 1b --format 4bit --liger \
+        --bucket "$RELEASE_BUCKET_ALT" --rounds "${OVERHEAD_ROUNDS:-6}" --steps 25 --warmup 5 \
+        --out "runs/release_overhead/1b_4bit_liger_bucket$RELEASE_BUCKET_ALT.json" 2>&1 \
+        | grep -v "^\[transformers\]\|warn" | tee -a "$out/release_speed.log"
+    fi
+    echo "interleaved runs: $(( SECONDS - start )) s" | tee -a "$out/release_speed.log"
     for r in $(seq 1 "${RELEASE_ROUNDS:-2}"); do
+      [ "$(left)" -gt 200 ] || { echo "Trainer round $r skipped: $(left) s left" | tee -a "$out/release_speed.log"; break; }
       python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps "${RELEASE_STEPS:-50}" --warmup 10 --timeout 90 \
         --out "runs/release_speed_r$r" \
         --cells apexw_8bit+liger@bf16,apexw_8bit_release+liger@bf16,apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 \
@@ -104,10 +124,12 @@ case $part in
       fi
     done
     # where the host time of release goes (wrappers around the optimizer's functions: a little slower than above)
-    python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps 30 --warmup 10 --timeout 90 --time-calls \
-      --out runs/release_time_calls --cells apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 2>&1 \
+    [ "$(left)" -gt 100 ] && python3 scripts/bench_full_finetune_memory.py --shapes 1b --steps 30 --warmup 10 \
+      --timeout 90 --time-calls --out runs/release_time_calls \
+      --cells apexw_4bit+liger@bf16,apexw_4bit_release+liger@bf16 2>&1 \
       | grep -v "^{'loss'" | tee -a "$out/release_speed.log"
-    tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_speed_r* runs/release_time_calls
+    tar czf "$out/release_speed.tgz" --exclude=trainer runs/release_overhead runs/release_speed_r* \
+      runs/release_time_calls 2>/dev/null
     ;;
   release_probe)
     start=$SECONDS
