@@ -65,7 +65,8 @@ class ApexW(torch.optim.Optimizer):
             estimate of the step's norm from the part released so far and that part's share of the previous step's
             norm (see :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
-        release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch.
+        release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch
+            (a sharded parameter counts its global size over its shard count, the same on every rank).
 
     Example:
         >>> import torch

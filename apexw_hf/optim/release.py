@@ -85,6 +85,16 @@ _SLOT, _PARAM = operator.itemgetter(0), operator.itemgetter(1)
 _GRAD = operator.attrgetter("grad")
 
 
+def _fill(p: torch.Tensor) -> int:
+    """How much of a bucket a parameter's gradient fills: its elements, or for a sharded parameter its global size over
+    its shard count. Not the local shard's size: shards of one tensor differ in size across ranks (5 rows over two
+    ranks are 3 + 2), and a bucket boundary that differed between ranks would pair different buckets in the norm's
+    all-reduce (a wrong norm, or a collective mismatch)."""
+    if dt.is_dtensor(p):
+        return p.numel() // dt.shard_count(p)
+    return p.numel()
+
+
 def _queue_end_of_backward(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
@@ -182,7 +192,7 @@ class GradientRelease:
         if bucket is None:
             bucket = self._pending[gi] = []
         bucket.append((slot, p))
-        numel = self._pending_numel.get(gi, 0) + dt.local(p).numel()
+        numel = self._pending_numel.get(gi, 0) + _fill(p)
         self._pending_numel[gi] = numel
         if not self._queued:
             self._queued = True

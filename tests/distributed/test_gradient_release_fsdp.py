@@ -18,8 +18,12 @@ from .test_fsdp_ddp import _spawn
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
 FORMATS = ("8bit", "4bit")  # block scales on local shards; every format is compared in tests/optim (one process)
-BUCKETS = (100, 10**9)  # the second: one bucket per backward
-BUCKET = 100  # local gradient elements per launch: the larger tensors of each FSDP group go in buckets of their own
+# the second: one bucket per backward; the third: the output layer's weight (5 x 300, split 3 + 2 rows over two ranks)
+# holds 900 and 600 local elements, and fills a bucket on every rank only because buckets count each tensor's global
+# size over its shard count (750), the same on all ranks: counted locally, rank 0 would flush it alone, and the
+# ranks' per-bucket all-reduces of the norm would pair different buckets
+BUCKETS = (100, 10**9, 700)
+BUCKET = 100  # gradient elements per launch: the larger tensors of each FSDP group go in buckets of their own
 
 
 def _global_norm(grads):
@@ -105,7 +109,15 @@ def _clipped_norms(world, bucket, data):
         opt.step()
         opt.zero_grad()
         logged.append(float(opt.grad_norm))
-    return {"true": true_norms, "logged": logged, "sharded": local_shards_differ, "grads_freed": grads_freed}
+    uneven = any(p.to_local().numel() * world != p.numel() for p in model.parameters())
+    return {
+        "true": true_norms,
+        "logged": logged,
+        "sharded": local_shards_differ,
+        "grads_freed": grads_freed,
+        "flushes": opt._release.flushes,
+        "uneven": uneven,
+    }
 
 
 def _clipping_opt(model):
@@ -203,17 +215,20 @@ def test_fsdp2_release_is_bit_identical_to_step(fsdp_results, fmt):
     assert fsdp_results[0][fmt]["norms_b"] == fsdp_results[1][fmt]["norms_b"]
 
 
-@pytest.mark.parametrize("bucket", BUCKETS, ids=["buckets", "one_bucket"])
+@pytest.mark.parametrize("bucket", BUCKETS, ids=["buckets", "one_bucket", "uneven_shards"])
 def test_fsdp2_release_with_clipping_records_the_global_norm(fsdp_results, bucket):
     """max_grad_norm under FSDP2: ``grad_norm`` is the pre-clip norm of all shards (all-reduced), equal on the ranks,
-    with every bucket clipped (0.05 is below every step's norm)."""
+    with every bucket clipped (0.05 is below every step's norm); the ranks flush the same buckets, also where their
+    shards differ in size."""
     for r in fsdp_results:
         res = r[f"clip_{bucket}"]
         assert res["sharded"], "the local shards' norms equal the full ones: the test would not see a missing reduce"
+        assert res["uneven"], "every shard is an equal part: the test would not see buckets split differently"
         assert res["grads_freed"]
         assert min(res["true"]) > 0.05
         assert res["logged"] == pytest.approx(res["true"], rel=1e-5)
-    assert fsdp_results[0][f"clip_{bucket}"]["logged"] == fsdp_results[1][f"clip_{bucket}"]["logged"]
+    first, second = (r[f"clip_{bucket}"] for r in fsdp_results)
+    assert first["logged"] == second["logged"] and first["flushes"] == second["flushes"]
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])
