@@ -21,7 +21,10 @@ this step (this bucket included) and ``S'`` / ``T'`` the same sum at the same bu
 ``N = sqrt(S * T' / S')`` (never below ``sqrt(S)``, a lower bound of the step's norm). It is exact when the buckets'
 shares of the squared norm are those of the previous step, whatever the overall scale, so a step whose gradients
 shrink or grow as a whole is clipped as exact clipping would; a spike in one tensor is clipped from its bucket on.
-The first step, or a step whose buckets differ from the previous one's, uses ``N = max(sqrt(S), previous norm)``.
+The first step uses ``N = max(sqrt(S), previous norm)``, and so does a step from its first bucket that is not the
+previous step's bucket at that place (a parameter with a gradient in one step and none in the other, as an unused
+expert of a mixture of experts; a model split over devices, whose devices' backward threads may complete buckets in
+another order). After a checkpoint is loaded the first step assumes the saved step's buckets.
 Per bucket this is the per-tensor norms (one fused operation), then one small kernel launch on a GPU that adds their
 squares to the step's running sums and computes the coefficient (``engines.triton.kernels.release_norm``; the same
 arithmetic as PyTorch operations, :func:`release_norm_torch`, elsewhere), then one fused multiply: on a small model the
@@ -58,6 +61,7 @@ import importlib
 import itertools
 import json
 import operator
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -122,11 +126,19 @@ class GradientRelease:
         self._k = 0
         self._prev_cum: torch.Tensor | None = None
         self._prev_k = 0
+        # the buckets (their parameters' ids) of this step and of the last, in order: the share estimate holds while
+        # this step's buckets so far are the last step's (None: not known, after a checkpoint was loaded)
+        self._keys: list[tuple] = []
+        self._prev_keys: list[tuple] | None = None
+        self._same_buckets = True
         # (device, gradient dtype) -> the clip coefficient's buffers (fp32, that dtype) and their 0-d views by dtype
         self._coef: dict[tuple, tuple[torch.Tensor, torch.Tensor, dict]] = {}
         self._prev_norm: torch.Tensor | None = None  # grad_norm as a 1-element tensor on the gradients' device
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
+        # autograd runs the backward of each device on its own thread, so the hooks of a model split over devices
+        # (one param group per device) can run at once: the buckets and the step's running sums take turns
+        self._lock = threading.RLock()
         self.flushes = 0  # bucket launches since construction (a diagnostic)
         self.host_seconds = 0.0  # host time spent in flushes since construction (a diagnostic: it runs in backward)
         ref = weakref.ref(self)
@@ -181,6 +193,10 @@ class GradientRelease:
         return hook
 
     def on_grad_ready(self, p: torch.Tensor) -> None:
+        with self._lock:
+            self._on_grad_ready(p)
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
         if id(p) in self._stepped:
             p.grad = None  # the second gradient is not applied; the parameter keeps its one update of this step
             raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
@@ -198,7 +214,7 @@ class GradientRelease:
             self._queued = True
             _queue_end_of_backward(self._on_backward_end)
         if numel >= self.bucket_size:
-            self.flush(group=gi)
+            self._flush(None, gi)
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -222,6 +238,10 @@ class GradientRelease:
     def flush(self, extra: list[torch.Tensor] | None = None, group: int | None = None) -> None:
         """Step the pending parameters of every group, or of param group ``group`` alone (and ``extra``), then free
         their gradients."""
+        with self._lock:
+            self._flush(extra, group)
+
+    def _flush(self, extra: list[torch.Tensor] | None, group: int | None) -> None:
         if group is None:
             entries = [e for bucket in self._pending.values() for e in bucket]
             self._pending, self._pending_numel = {}, {}
@@ -238,10 +258,10 @@ class GradientRelease:
         entries.sort(key=_SLOT)
         params = list(map(_PARAM, entries))
         grads = list(map(_GRAD, params))
-        coefs = self._account(grads)  # the norm is always recorded (the Trainer logs it as grad_norm)
+        key = tuple(map(id, params))
+        coefs = self._account(grads, key)  # the norm is always recorded (the Trainer logs it as grad_norm)
         if coefs is not None:
             _scale_([dt.local(g) for g in grads] if dt.is_dtensor(grads[0]) else grads, coefs)
-        key = tuple(map(id, params))
         first, last = entries[0][0][0], entries[-1][0][0]
         if first == last:  # a bucket inside backward: one param group
             opt._step_params(opt.param_groups[first], params, grads, bucket=key)
@@ -257,7 +277,7 @@ class GradientRelease:
         self.flushes += 1
         self.host_seconds += time.perf_counter() - t0
 
-    def _account(self, grads: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor] | None:
+    def _account(self, grads: list[torch.Tensor], key: tuple) -> dict[torch.dtype, torch.Tensor] | None:
         """Add this bucket's squared norm to the step's; its clip coefficient by gradient dtype (None without
         clipping). One kernel launch on a GPU (:mod:`..engines.triton.kernels.release_norm`), else PyTorch
         operations (:func:`release_norm_torch`)."""
@@ -273,9 +293,13 @@ class GradientRelease:
             grown = torch.empty(max(64, 2 * k), dtype=torch.float32, device=device)
             grown[:k] = self._cum[:k]
             self._cum = grown
+        self._keys.append(key)
         prev_cum = None
         if self._prev_cum is not None and k < self._prev_k:
-            prev_cum = _on(self._prev_cum, device)
+            if self._prev_keys is not None:
+                self._same_buckets = self._same_buckets and self._prev_keys[k] == key
+            if self._same_buckets:
+                prev_cum = _on(self._prev_cum, device)
         prev_norm = None
         if self.grad_norm is not None:
             if self._prev_norm is None or self._prev_norm.device != device:
@@ -323,7 +347,8 @@ class GradientRelease:
             # the two buffers swap: the next step writes into the one this step read
             self._prev_cum, self._cum = self._cum, self._prev_cum
             self._prev_k = self._k
-        self._k = 0
+            self._prev_keys = self._keys
+        self._k, self._keys, self._same_buckets = 0, [], True
         self._stepped = set()
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -348,6 +373,7 @@ class GradientRelease:
         self._prev_cum = torch.tensor([float(x) for x in partial], dtype=torch.float32, device=device)
         self._prev_k = len(partial)
         self._cum, self._k, self._prev_norm = None, 0, None
+        self._keys, self._prev_keys, self._same_buckets = [], None, True  # parameter ids do not outlive a process
 
 
 def _state_dict_post_hook(ref: weakref.ref, optimizer, state_dict: dict) -> None:

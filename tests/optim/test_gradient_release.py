@@ -153,6 +153,94 @@ def test_clipping_follows_its_rule_and_logs_the_true_norm():
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
+class Detour(torch.nn.Module):
+    """A stack of 64-wide layers whose middle layer is used only when asked: its parameters get a gradient in some
+    steps and not in others (as an unused expert does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.extra, self.top = (torch.nn.Linear(8 if i == 0 else 64, 64) for i in range(4))
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x, detour):
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        if detour:
+            h = torch.tanh(self.extra(h))
+        return self.head(torch.tanh(self.top(h)))
+
+
+def test_clipping_estimate_falls_back_from_the_first_bucket_that_changed(monkeypatch):
+    """The share estimate needs the previous step's running sums at the same buckets: from the first bucket that is
+    not the previous step's (a layer used in one step and not the next) the step uses the fallback rule."""
+    from apexw_hf.optim import release
+
+    model = Detour()
+    opt = ApexW(model.parameters(), lr=1e-3, gradient_release=True, max_grad_norm=0.01, release_bucket_size=4000)
+    calls, impl = [], release._norm_impl
+
+    def record(device):
+        inner = impl(device)
+
+        def norm(parts, squared, cum, k, prev_cum, *rest):
+            calls[-1].append(prev_cum is not None)
+            return inner(parts, squared, cum, k, prev_cum, *rest)
+
+        return norm
+
+    monkeypatch.setattr(release, "_norm_impl", record)
+    detours = [False, False, True, True, False]
+    for t, detour in enumerate(detours):
+        calls.append([])
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(t))
+        model(x, detour).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(len(c) >= 3 for c in calls), calls  # several buckets per step
+    assert not any(calls[0])  # the first step: nothing to compare with
+    assert all(calls[1]) and all(calls[3])  # the same buckets as the step before
+    for t in (2, 4):  # the detour's layer joins or leaves: the head and top layer's bucket comes first and is the same
+        assert calls[t][0] and not any(calls[t][1:]), (t, calls[t])
+
+
+def test_hooks_on_two_threads_take_turns():
+    """Autograd runs each device's backward on its own thread, so a model split over devices has its hooks called
+    from two threads at once: every bucket is stepped and counted once, and the norm is the sum of all of them."""
+    import threading
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4096)) for _ in range(400)]
+    opt = ApexW(
+        [{"params": params[:200]}, {"params": params[200:]}],
+        lr=1e-3,
+        state_format="8bit",
+        gradient_release=True,
+        max_grad_norm=1.0,
+        release_bucket_size=1,
+    )
+    release = opt._release
+    grads = [torch.randn(4096) for _ in params]
+    expect = sum(float(g.double().square().sum()) for g in grads)
+    release._queued = True  # no backward pass here: the threads call the hooks themselves
+
+    @torch.no_grad()
+    def worker(lo, hi):
+        for i in range(lo, hi):
+            params[i].grad = grads[i].clone()
+            release.on_grad_ready(params[i])
+
+    threads = [threading.Thread(target=worker, args=(0, 200)), threading.Thread(target=worker, args=(200, 400))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    release._queued = False
+    assert release.flushes == 400 and release._k == 400
+    assert float(release.current_norm()) ** 2 == pytest.approx(expect, rel=1e-5)
+    opt.step()
+    assert all(opt.state[p]["step"] == 1 for p in params)
+
+
 def test_resume_continues_bit_for_bit(tmp_path):
     a = make()
     oa = ApexW(groups(a), state_format="8bit", gradient_release=True, max_grad_norm=0.5, release_bucket_size=500)
