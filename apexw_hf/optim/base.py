@@ -333,6 +333,14 @@ class ApexW(torch.optim.Optimizer):
         not synchronize). ``None`` without release or before the first step."""
         return None if self._release is None else self._release.current_norm()
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``. With ``gradient_release``, a backward pass that did not reach
+        ``step()`` (it raised: out of memory, say) is given up here: its gradients still waiting for a launch are
+        dropped, the tensors it updated keep their update, and the next backward pass starts a new step."""
+        super().zero_grad(set_to_none=set_to_none)
+        if self._release is not None:
+            self._release.abandon_step()
+
     def remove_release_hooks(self) -> None:
         """Remove the gradient-release hooks from the parameters; the optimizer then works as without release."""
         if self._release is not None:
@@ -491,4 +499,3 @@ class ApexW(torch.optim.Optimizer):
             engine.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-

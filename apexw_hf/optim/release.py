@@ -81,7 +81,9 @@ _ACCUMULATION_ERROR = (
     "accumulate gradients over several backward passes: call optimizer.step() after every backward pass and set "
     "gradient_accumulation_steps=1 (use a larger per-device batch instead), or turn gradient_release off. A parameter "
     "used in two reentrant checkpointed segments also completes twice: use gradient checkpointing with "
-    "use_reentrant=False."
+    "use_reentrant=False. If the previous backward pass raised an error (out of memory, say), call "
+    "optimizer.zero_grad() before the next one: it gives up that unfinished step (the tensors it updated keep their "
+    "update)."
 )
 
 
@@ -350,6 +352,20 @@ class GradientRelease:
             self._prev_keys = self._keys
         self._k, self._keys, self._same_buckets = 0, [], True
         self._stepped = set()
+        self._queued = False  # a backward pass that raised never ran its end-of-backward callback
+
+    def abandon_step(self) -> None:
+        """``zero_grad()`` before ``step()``: give up the step of a backward pass that did not reach ``step()`` (it
+        raised, and its end-of-backward callback never ran). The gradients waiting in buckets are dropped, the tensors
+        it already updated keep their update, its running sums are discarded (the last finished step's stay for the
+        clipping estimate), and the next backward pass starts a new step. Nothing to do after a finished step."""
+        with self._lock:
+            if not (self._pending or self._stepped or self._k or self._queued):
+                return
+            self._pending, self._pending_numel = {}, {}
+            self._stepped = set()
+            self._k, self._keys, self._same_buckets = 0, [], True
+            self._queued = False
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 

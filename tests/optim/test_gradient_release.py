@@ -203,6 +203,63 @@ def test_clipping_estimate_falls_back_from_the_first_bucket_that_changed(monkeyp
         assert calls[t][0] and not any(calls[t][1:]), (t, calls[t])
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises the first time (as an out-of-memory error in the middle of backward would)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("simulated out of memory")
+        return g
+
+
+@pytest.mark.parametrize("recover", ["zero_grad", "step"])
+def test_training_goes_on_after_a_backward_pass_that_raised(recover):
+    """A backward pass raises after the output layer was released: ``zero_grad()`` gives up that step (the released
+    tensors keep their update, the waiting gradients are dropped), ``step()`` finishes it (the waiting gradients are
+    applied); either way the next backward passes release every gradient within backward again, the last ones (the
+    input scale's, below a bucket) by the end-of-backward flush."""
+    torch.manual_seed(0)
+    scale, first, last = torch.nn.Parameter(torch.ones(8)), torch.nn.Linear(8, 64), torch.nn.Linear(64, 8)
+    params = [scale, *first.parameters(), *last.parameters()]
+    opt = ApexW(params, lr=1e-2, gradient_release=True, max_grad_norm=1.0, release_bucket_size=100)
+    x = torch.randn(4, 8)
+
+    def loss():
+        return last(_FailOnce.apply(torch.tanh(first(x * scale)))).square().mean()
+
+    before = [p.detach().clone() for p in params]
+    _FailOnce.armed = True
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        loss().backward()
+    moved = [not torch.equal(a, p) for a, p in zip(before, params)]
+    assert moved[:3] == [False] * 3 and any(moved[3:])  # the output layer, and only it, was updated before the error
+
+    def steps():
+        return [int(opt.state[p]["step"]) if p in opt.state else 0 for p in params]
+
+    getattr(opt, recover)()
+    after = steps()
+    if recover == "zero_grad":
+        assert after == [int(m) for m in moved]
+    else:
+        assert after[:3] == [0] * 3 and after[3:] == [1, 1]  # the waiting gradient of the output layer was applied
+    for _ in range(2):
+        loss().backward()
+        assert all(p.grad is None for p in params)  # the end-of-backward flush ran
+        opt.step()
+        opt.zero_grad()
+    assert steps() == [n + 2 for n in after]
+    assert torch.isfinite(opt.grad_norm)
+
+
 def test_hooks_on_two_threads_take_turns():
     """Autograd runs each device's backward on its own thread, so a model split over devices has its hooks called
     from two threads at once: every bucket is stepped and counted once, and the norm is the sum of all of them."""
