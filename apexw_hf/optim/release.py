@@ -117,6 +117,7 @@ class GradientRelease:
         self.max_grad_norm = max_grad_norm
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._hooked_ids: list[int] | None = None
+        self._hooked_trainable: list[bool] | None = None
         # param group index -> its bucket: ((group index, index in the group), parameter) in completion order
         self._pending: dict[int, list[tuple[tuple[int, int], torch.Tensor]]] = {}
         self._pending_numel: dict[int, int] = {}
@@ -155,12 +156,15 @@ class GradientRelease:
         """Hook every trainable parameter of the param groups, and unhook those no longer there.
 
         Called at construction, by ``step()`` and before each backward pass under Accelerate: wrappers may replace the
-        parameter objects in ``param_groups`` (Accelerate's FSDP2 preparation swaps in the sharded parameters).
+        parameter objects in ``param_groups`` (Accelerate's FSDP2 preparation swaps in the sharded parameters). A
+        parameter unfrozen since the last call gets its hook here; until then its gradient waits for ``step()``, which
+        updates it as an optimizer without release would.
         """
         opt = self._opt_ref()
         params = [p for group in opt.param_groups for p in group["params"]]
         ids = [id(p) for p in params]
-        if ids == self._hooked_ids:
+        trainable = [p.requires_grad for p in params]  # a parameter unfrozen since (gradual unfreezing) gets its hook
+        if ids == self._hooked_ids and trainable == self._hooked_trainable:
             return
         keep = set(ids)
         for pid in [pid for pid in self._handles if pid not in keep]:
@@ -173,7 +177,7 @@ class GradientRelease:
                 entry[1].remove()
             if p.requires_grad:
                 self._handles[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(self._make_hook()))
-        self._hooked_ids = ids
+        self._hooked_ids, self._hooked_trainable = ids, trainable
 
     def remove_hooks(self) -> None:
         for _, handle in self._handles.values():

@@ -260,6 +260,31 @@ def test_training_goes_on_after_a_backward_pass_that_raised(recover):
     assert torch.isfinite(opt.grad_norm)
 
 
+def test_a_parameter_unfrozen_during_training_is_released_from_the_next_step():
+    """Gradual unfreezing: a block frozen at construction has no hook; unfrozen, its first gradient waits for step()
+    (updated there, as without release), and from then on it is released in backward. Same bits as step()
+    throughout."""
+    a, b = make(), make()
+    for model in (a, b):
+        model.blocks[1].requires_grad_(False)
+    oa = ApexW(groups(a), state_format="8bit")
+    ob = ApexW(groups(b), state_format="8bit", gradient_release=True, release_bucket_size=300)
+    alive = []
+    for t in range(4):
+        if t == 1:
+            for model in (a, b):
+                model.blocks[1].requires_grad_(True)
+        for model, opt in ((a, oa), (b, ob)):
+            loss_of(model, t).backward()
+            if opt is ob:
+                alive.append(sum(p.grad is not None for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+    assert alive == [0, 4, 0, 0]  # the unfrozen block's 4 tensors waited for step() once
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_hooks_on_two_threads_take_turns():
     """Autograd runs each device's backward on its own thread, so a model split over devices has its hooks called
     from two threads at once: every bucket is stepped and counted once, and the norm is the sum of all of them."""
