@@ -39,7 +39,8 @@ class ApexW(torch.optim.Optimizer):
     :mod:`apexw_hf.reference`; every engine computes the same bits.
 
     Args:
-        params: parameters or param groups (dicts). A group may override any keyword below except ``seed``.
+        params: parameters or param groups (dicts). A group may override any keyword below except ``seed``. A group
+            may span devices (a model dispatched over GPUs): each device's tensors are stepped by their own launch.
         lr: learning rate, a float or a 1-element tensor (read once per step, so a scheduler may change it in place).
         betas: coefficients of the running averages, each in [0, 1).
         eps: added to the denominator, >= 0.
@@ -104,6 +105,7 @@ class ApexW(torch.optim.Optimizer):
         self._check_release_args(gradient_release, max_grad_norm, release_bucket_size)
         self._param_index: dict[torch.Tensor, int] = {}
         self._group_index: dict[int, tuple[int, int]] = {}
+        self._devices_of: dict[int, tuple[list, bool]] = {}  # id(group["params"]) -> (that list, spans devices)
         self._engine = None
         self._cpu_engine = None
         self._release: GradientRelease | None = None
@@ -179,7 +181,6 @@ class ApexW(torch.optim.Optimizer):
         if group["seed"] != self.defaults["seed"]:
             raise ValueError("seed is per optimizer, not per param group")
         self._check_hparams(group)
-        devices = set()
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(
@@ -190,13 +191,7 @@ class ApexW(torch.optim.Optimizer):
                 raise TypeError(f"ApexW supports real floating-point parameters only, got a {p.dtype} parameter")
             if p.dtype not in PARAM_DTYPES:
                 raise TypeError(f"unsupported parameter dtype {p.dtype}; allowed: float32, bfloat16, float16")
-            devices.add(p.device)
             self._param_index[p] = len(self._param_index)
-        if len(devices) > 1:
-            raise ValueError(
-                f"all parameters of one param group must be on one device, found {sorted(map(str, devices))}; "
-                "put parameters of each device in their own group"
-            )
 
     # ---- state ---------------------------------------------------------------------------------------------
 
@@ -369,7 +364,26 @@ class ApexW(torch.optim.Optimizer):
         return slot
 
     def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
-        engines.engine_for(self, group, params).step_group(group, params, grads, bucket)
+        if not self._spans_devices(group):
+            engines.engine_for(self, group, params).step_group(group, params, grads, bucket)
+            return
+        # a group over several devices (the Trainer's groups of a model dispatched over GPUs): each device's tensors
+        # in their own launch, cached under their own bucket name
+        by_device: dict[torch.device, tuple[list, list]] = {}
+        for p, g in zip(params, grads):
+            entry = by_device.setdefault(p.device, ([], []))
+            entry[0].append(p)
+            entry[1].append(g)
+        for device, (ps, gs) in by_device.items():
+            engines.engine_for(self, group, ps).step_group(group, ps, gs, (bucket, device))
+
+    def _spans_devices(self, group: dict) -> bool:
+        """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
+        params = group["params"]
+        entry = self._devices_of.get(id(params))
+        if entry is None or entry[0] is not params:
+            entry = self._devices_of[id(params)] = (params, len({p.device for p in params}) > 1)
+        return entry[1]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -420,6 +434,7 @@ class ApexW(torch.optim.Optimizer):
         # copy starts without the caches, which rebuild from the param groups (the positions are the same).
         self.__dict__.setdefault("_param_index", {})
         self.__dict__.setdefault("_group_index", {})
+        self.__dict__.setdefault("_devices_of", {})
         self.__dict__.setdefault("_engine", None)
         self.__dict__.setdefault("_cpu_engine", None)
         # Hooks live on the parameters, not in the pickled state: a copy steps in step(), without release.

@@ -87,9 +87,27 @@ def test_param_in_two_groups():
         ApexW([{"params": [p]}, {"params": [p]}])
 
 
-def test_params_on_two_devices_in_one_group():
-    with pytest.raises(ValueError, match="one device"):
-        ApexW([P(3), torch.nn.Parameter(torch.zeros(3, device="meta"))])
+def test_a_group_over_two_devices_steps_each_device_on_its_own(monkeypatch):
+    """A param group may span devices (the Trainer's groups of a model dispatched over GPUs): each step hands the
+    engine one device's tensors at a time, each under its own bucket name (its own cached launch plan)."""
+    from apexw_hf import engines
+
+    cpu, meta = [P(3), P(4)], [torch.nn.Parameter(torch.zeros(5, device="meta"))]
+    opt = ApexW([cpu[0], meta[0], cpu[1]])
+    calls = []
+
+    class Recorder:
+        def step_group(self, group, params, grads, bucket=None):
+            calls.append(({p.device.type for p in params}, [id(p) for p in params], [id(g) for g in grads], bucket))
+
+    monkeypatch.setattr(engines, "engine_for", lambda optimizer, group, params: Recorder())
+    for p in (*cpu, *meta):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert calls == [
+        ({"cpu"}, [id(p) for p in cpu], [id(p.grad) for p in cpu], (None, torch.device("cpu"))),
+        ({"meta"}, [id(meta[0])], [id(meta[0].grad)], (None, torch.device("meta"))),
+    ]
 
 
 def test_sparse_gradient():
