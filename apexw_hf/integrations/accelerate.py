@@ -8,8 +8,9 @@ optimizer has clipped and applied each one in backward (:mod:`apexw_hf.optim.rel
   instead of the 0 of an empty gradient list), and refuses a ``max_norm`` the optimizer was not built with (the loop
   would believe it clipped at a norm that nobody applied);
 * ``backward`` refuses, before the first update, what release cannot do: a GradScaler (fp16), gradient accumulation,
-  DDP, FSDP version 1 and DeepSpeed; and re-hooks the parameters (Accelerate's FSDP2 preparation replaces them in
-  ``param_groups``).
+  DDP, FSDP version 1 and DeepSpeed; re-hooks the parameters (Accelerate's FSDP2 preparation replaces them in
+  ``param_groups``); and after a backward pass that raised (out of memory, say: a notebook re-running
+  ``trainer.train()``), gives up its unfinished step with a warning, as ``optimizer.zero_grad()`` would.
 
 Loops whose Accelerator has no releasing ApexW go straight to the original methods.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 __all__ = ["patch_accelerator", "releasing_optimizers"]
 
@@ -64,6 +66,13 @@ def _check_backward(accelerator, optimizers) -> None:
         )
     for opt in optimizers:
         opt._release.sync_hooks()
+        if opt._release.give_up_failed_backward():
+            warnings.warn(
+                "ApexW gradient release: the previous backward pass raised before it finished (out of memory, say); "
+                "its unfinished step is given up (the tensors it had updated keep their update) and this backward "
+                "pass starts a new step.",
+                stacklevel=3,
+            )
 
 
 def patch_accelerator(module=None) -> None:

@@ -371,6 +371,16 @@ class GradientRelease:
             self._k, self._keys, self._same_buckets = 0, [], True
             self._queued = False
 
+    def give_up_failed_backward(self) -> bool:
+        """Before a backward pass (Accelerate's ``backward``): if the last one raised (its end-of-backward callback
+        never ran, which a finished backward pass or a ``step()`` would have cleared), give up its step as
+        ``zero_grad()`` does. Whether there was one."""
+        with self._lock:
+            if not self._queued:
+                return False
+            self.abandon_step()
+            return True
+
     # ---- checkpoints ---------------------------------------------------------------------------------------------
 
     def state(self) -> dict:

@@ -209,6 +209,40 @@ def test_accelerate_loop_clip_grad_norm_returns_the_optimizers_norm():
     assert len(probe.norms) == 2
 
 
+def test_accelerate_loop_goes_on_after_a_backward_pass_that_raised():
+    """A backward pass raises halfway (as out of memory would), after the last layer's tensors were released: the next
+    ``accelerator.backward`` gives up that unfinished step with a warning (no zero_grad needed, as when a notebook
+    re-runs ``trainer.train()``), and training goes on with every gradient released in backward."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model(lora=False)
+    opt = ApexW8bit(model.parameters(), lr=1e-2, engine="torch", gradient_release=True, release_bucket_size=2000)
+    model, opt = accelerator.prepare(model, opt)
+    armed = [True]
+
+    def fail_once(module, grad_input, grad_output):
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("simulated out of memory")
+
+    handle = model.model.layers[1].register_full_backward_hook(fail_once)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        accelerator.backward(model(**_batch()).loss)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert "model.layers.1.mlp.down_proj.weight" in moved and "model.layers.0.mlp.down_proj.weight" not in moved
+    with pytest.warns(UserWarning, match="previous backward pass raised"):
+        accelerator.backward(model(**_batch()).loss)
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    opt.zero_grad()
+    accelerator.backward(model(**_batch()).loss)  # no warning: that step finished
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    handle.remove()
+
+
 def test_accelerate_loop_refuses_a_max_norm_the_optimizer_was_not_built_with():
     from accelerate import Accelerator
 
