@@ -140,7 +140,7 @@ class GradientRelease:
         # the last finished step's global norm: reported, and the next step's clipping estimate uses it
         self.grad_norm: torch.Tensor | None = None
         # autograd runs the backward of each device on its own thread, so the hooks of a model split over devices
-        # (one param group per device) can run at once: the buckets and the step's running sums take turns
+        # can run at once: the buckets and the step's running sums take turns
         self._lock = threading.RLock()
         self.flushes = 0  # bucket launches since construction (a diagnostic)
         self.host_seconds = 0.0  # host time spent in flushes since construction (a diagnostic: it runs in backward)
@@ -291,8 +291,8 @@ class GradientRelease:
         k = self._k
         if self._cum is None or (k == 0 and self._cum.device != parts.device):
             self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=parts.device)
-        # a step's running sums stay on the device of its first bucket (param groups on several devices: a model
-        # split over GPUs puts each device's parameters in their own group, so buckets come from several devices)
+        # a step's running sums stay on the device of its first bucket (a model split over devices has buckets on
+        # several devices)
         device = self._cum.device
         parts = _on(parts, device)
         if k >= self._cum.numel():
@@ -354,6 +354,10 @@ class GradientRelease:
             self._prev_cum, self._cum = self._cum, self._prev_cum
             self._prev_k = self._k
             self._prev_keys = self._keys
+        self._begin_step()
+
+    def _begin_step(self) -> None:
+        """Forget this step's buckets and updated parameters: the next gradient starts a new step."""
         self._k, self._keys, self._same_buckets = 0, [], True
         self._stepped = set()
         self._queued = False  # a backward pass that raised never ran its end-of-backward callback
@@ -367,9 +371,7 @@ class GradientRelease:
             if not (self._pending or self._stepped or self._k or self._queued):
                 return
             self._pending, self._pending_numel = {}, {}
-            self._stepped = set()
-            self._k, self._keys, self._same_buckets = 0, [], True
-            self._queued = False
+            self._begin_step()
 
     def give_up_failed_backward(self) -> bool:
         """Before a backward pass (Accelerate's ``backward``): if the last one raised (its end-of-backward callback
