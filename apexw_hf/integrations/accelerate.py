@@ -110,12 +110,8 @@ def patch_accelerator(module=None) -> None:
                 f"{opt._release.max_grad_norm}. Build the optimizer with max_grad_norm={max_norm} (the Trainer does "
                 "this from TrainingArguments.max_grad_norm)."
             )
-        norm = opt.grad_norm
-        if norm is None:
-            import torch
-
-            return torch.zeros(())
-        return norm
+        # this step's norm (a backward pass that reached no parameter has none: zero, not the last step's)
+        return opt._release.step_norm()
 
     backward_._apexw_wrapped = True
     clip_grad_norm_._apexw_wrapped = True

@@ -330,6 +330,13 @@ class GradientRelease:
             return self._cum[self._k - 1].sqrt()
         return self.grad_norm
 
+    def step_norm(self) -> torch.Tensor:
+        """This step's global gradient norm, after its backward pass: zero when the backward pass released no gradient
+        (as ``clip_grad_norm_`` over no gradients), not the last step's."""
+        if self._k:
+            return self._cum[self._k - 1].sqrt()
+        return torch.zeros(())
+
     def finish_step(self) -> None:
         """End of ``optimizer.step()``: step what was not released, record the norm, start a new step."""
         opt = self._opt_ref()

@@ -209,6 +209,28 @@ def test_accelerate_loop_clip_grad_norm_returns_the_optimizers_norm():
     assert len(probe.norms) == 2
 
 
+def test_accelerate_clip_grad_norm_after_a_backward_without_gradients_is_zero():
+    """A backward pass that reaches no parameter (a loss of frozen parts only) has no gradient to clip:
+    ``clip_grad_norm_`` returns 0 as torch's does over no gradients, not the last step's norm, so the Trainer's
+    ``grad_norm`` log is not a stale value; the next step's norm is its own."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = make_model(lora=False)
+    opt = ApexW8bit(model.parameters(), lr=1e-2, engine="torch", gradient_release=True, max_grad_norm=1.0)
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.backward(model(**_batch()).loss)
+    first = float(accelerator.clip_grad_norm_(model.parameters(), 1.0))
+    opt.step()
+    opt.zero_grad()
+    accelerator.backward(model(**_batch()).loss.detach().requires_grad_())  # reaches no parameter
+    assert float(accelerator.clip_grad_norm_(model.parameters(), 1.0)) == 0.0 != first
+    opt.step()
+    opt.zero_grad()
+    accelerator.backward(model(**_batch()).loss)
+    assert float(accelerator.clip_grad_norm_(model.parameters(), 1.0)) > 0
+
+
 def test_accelerate_loop_goes_on_after_a_backward_pass_that_raised():
     """A backward pass raises halfway (as out of memory would), after the last layer's tensors were released: the next
     ``accelerator.backward`` gives up that unfinished step with a warning (no zero_grad needed, as when a notebook
