@@ -485,13 +485,20 @@ def test_register_caps_by_specialization():
         plan = LaunchPlan([p], [st.init_state(p, fmt)], fmt, [0], 0, dtype, **kw)
         return plan._cap((fmt, None, None, False, stochastic, per_tensor, True, even, plan.rows))
 
-    assert MAX_REGISTERS == {("4bit", torch.float32, False, True, False): 64}
+    assert MAX_REGISTERS == {
+        ("4bit", torch.bfloat16, True, True, False): 72,
+        ("4bit", torch.float32, False, True, False): 64,
+    }
+    assert cap("4bit", torch.bfloat16) == 72
+    assert cap("4bit", torch.bfloat16, stochastic=False) is None
+    assert cap("4bit", torch.bfloat16, even=False) is None
+    assert cap("4bit", torch.bfloat16, per_tensor=True) is None
     assert cap("4bit", torch.float32, stochastic=False) == 64
     assert cap("4bit", torch.float32) == 64  # the engine's flag for fp32 parameters: nothing to round
     assert cap("4bit", torch.float32, stochastic=False, even=False) is None
     assert cap("4bit", torch.float32, stochastic=False, per_tensor=True) is None
-    assert cap("4bit", torch.bfloat16) is None
     assert cap("8bit", torch.float32, stochastic=False) is None
+    assert cap("8bit", torch.bfloat16) is None
     assert cap("4bit", torch.float32, stochastic=False, rows=2, num_warps=2) is None  # another tile: not measured
     assert cap("4bit", torch.float32, stochastic=False, maxnreg=None) is None
     assert cap("8bit", torch.float32, maxnreg=64) == 64

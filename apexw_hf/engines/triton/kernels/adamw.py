@@ -304,14 +304,7 @@ def _adamw_kernel(
             else:
                 tl.store(p_ptr + offs, p, mask=mask)
         elif P_DTYPE == tl.bfloat16:
-            if STOCHASTIC_PARAM and FMT == "4bit" and EVEN:
-                # The same word as bits_mv, hashed again here instead of kept alive across the moments' rounding and
-                # the division: 4-bit's log-domain v rounding leaves no registers for it (sm_90, one warp per 1 x 256
-                # tile: 64 registers per thread instead of 78, for 88 more instructions; 32 one-warp programs per SM
-                # instead of 25). The volatile load of the tensor key keeps the compiler from reusing the first hash.
-                tkey_again = tl.load(tkey_ptr + t, volatile=True).to(tl.uint32, bitcast=True)
-                bits_p = uniform_bits(idx_golden, stream_key(tkey_again, ustep, STREAM_MV))
-            elif STOCHASTIC_PARAM and (FMT == "8bit" or FMT == "4bit"):
+            if STOCHASTIC_PARAM and (FMT == "8bit" or FMT == "4bit"):
                 bits_p = bits_mv
             elif STOCHASTIC_PARAM:
                 bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))

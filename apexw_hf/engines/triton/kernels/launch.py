@@ -82,13 +82,18 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # rounding (False for fp32 parameters), whole 256-element rows, per-tensor steps): LaunchPlan's maxnreg="auto". The
 # one-warp 1 x 256 tile is limited by registers: an SM holds at most 32 resident programs, and its 65,536 registers
 # give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state (format version 2)
-# with fp32 parameters takes 72; capped at 64 (sm_90, triton 3.6; no spill on the GPU, 1120 instructions instead of
-# 1096) it ran 0.959x the uncapped time on 4 x 8192^2, 0.982x on Llama-3.2-1B shapes and 0.95x on the LoRA set, bits
-# equal (H100, scripts/four_bit_tiles.py at be771c0, 7 interleaved rounds; H200 at c1df199: 0.982x on 4 x 8192^2).
-# With bf16 parameters rounded stochastically the kernel hashes the parameter's random word a second time instead of
-# keeping it alive (adamw.py), which takes it from 78-80 registers to 64 with no cap. A cap changes register
-# allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with caps).
-MAX_REGISTERS = {("4bit", torch.float32, False, True, False): 64}
+# with bf16 parameters rounded stochastically keeps the moments' random word alive until the parameter's rounding and
+# takes 80 registers (sm_90, triton 3.6); capped at 72 (no spill, 1160 instructions instead of 1136) it ran 0.963x the
+# uncapped time on 4 x 8192^2 bf16 and 0.964x on Llama-3.2-1B shapes (H200, scripts/four_bit_regcap.py at c1df199;
+# docs/results/four_bit_v2/h200_c1df199), 0.960x / 0.975x on an H100 (scripts/four_bit_tiles.py at be771c0); 64
+# spilled and gained less. With fp32 parameters it takes 72; capped at 64 (no spill on the GPU, 1120 instructions
+# instead of 1096) it ran 0.959x the uncapped time on 4 x 8192^2, 0.982x on Llama-3.2-1B shapes and 0.95x on the LoRA
+# set (H100, four_bit_tiles.py at be771c0, 7 interleaved rounds; H200 at c1df199: 0.982x on 4 x 8192^2). A cap
+# changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with caps).
+MAX_REGISTERS = {
+    ("4bit", torch.bfloat16, True, True, False): 72,
+    ("4bit", torch.float32, False, True, False): 64,
+}
 
 _STATE_DTYPES = {
     "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
