@@ -326,9 +326,7 @@ class GradientRelease:
 
     def current_norm(self) -> torch.Tensor | None:
         """This step's global gradient norm once its backward has run (before ``step()``), else the last step's."""
-        if self._k:
-            return self._cum[self._k - 1].sqrt()
-        return self.grad_norm
+        return self.step_norm() if self._k else self.grad_norm
 
     def step_norm(self) -> torch.Tensor:
         """This step's global gradient norm, after its backward pass: zero when the backward pass released no gradient
@@ -355,7 +353,7 @@ class GradientRelease:
                     extra.append(p)  # a gradient set without backward, or a parameter without a hook
         self.flush(extra)
         if self._k:
-            self.grad_norm = self._cum[self._k - 1].sqrt()
+            self.grad_norm = self.step_norm()
             self._prev_norm = None
             # the two buffers swap: the next step writes into the one this step read
             self._prev_cum, self._cum = self._cum, self._prev_cum
