@@ -8,11 +8,13 @@
 #    `mkdir -p runs/v1_4bit && git archive a329abf apexw_hf scripts | tar -x -C runs/v1_4bit`, carried to the device),
 #    version 1's 4-bit step right
 #    after, for issue 27's speed target (version 2's kernel time within 1.05x of version 1's);
-# 3. register caps of the 4-bit kernel (scripts/four_bit_regcap.py, REGCAP_CAPS, default 72,64) timed against the
-#    compiler's choice, interleaved, with a bit check of each cap.
+# 3. tiles and register caps of the 4-bit kernel (scripts/four_bit_tiles.py, TILE_VARIANTS, default 1x1,1x1@72,1x1@64)
+#    timed interleaved in one process, with a bit check of each against the default plan; with V1_DIR, version 1's
+#    kernel is timed beside them in the same process.
 # Run from the repository root:  bash scripts/gpu_four_bit_v2_check.sh "$OUT"   (V1_DIR=runs/v1_4bit to add v1)
 # Results: $OUT/gpu.txt, $OUT/kernel_tests.log, $OUT/gpu_marked_tests.log, $OUT/step_4bit_v2.json (+ .log),
-# $OUT/step_4bit_v1.json (+ .log), $OUT/regcap.json (+ .log).
+# $OUT/step_4bit_v1.json (+ .log), $OUT/tiles.json (+ .log): nine files with V1_DIR, so pack $OUT into one tarball
+# where a device call returns at most eight.
 set -uo pipefail
 out=${1:?output folder}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
@@ -43,5 +45,6 @@ if [ -n "${V1_DIR:-}" ]; then
     --deadline "${BENCH_DEADLINE:-240}" --time-budget "${BENCH_BUDGET:-1.5}" --optimizers torch_fused \
     apexw_4bit_triton --out "$out/step_4bit_v1.json") 2>&1 | tee "$out/step_4bit_v1.log" | tail -40
 fi
-timeout "${REGCAP_SECONDS:-150}" python3 scripts/four_bit_regcap.py --caps "${REGCAP_CAPS:-72,64}" \
-  --out "$out/regcap.json" 2>&1 | tee "$out/regcap.log" | tail -12
+# shellcheck disable=SC2086
+timeout "${TILES_SECONDS:-150}" python3 scripts/four_bit_tiles.py --variants "${TILE_VARIANTS:-1x1,1x1@72,1x1@64}" \
+  ${V1_DIR:+--v1 "$V1_DIR"} --out "$out/tiles.json" 2>&1 | tee "$out/tiles.log" | tail -24

@@ -143,7 +143,7 @@ class LaunchPlan:
             per program; default by format.
         maxnreg: a cap on registers per thread for ptxas: ``"auto"`` (default) the measured caps of
             :data:`MAX_REGISTERS` for the default tile, ``None`` the compiler's choice, or an int in 24..255 (for
-            timing register-limited kernels, scripts/four_bit_regcap.py). Register allocation only: the bits are the
+            timing register-limited kernels, scripts/four_bit_tiles.py). Register allocation only: the bits are the
             same with any cap.
     """
 
