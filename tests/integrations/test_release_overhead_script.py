@@ -1,20 +1,15 @@
 """scripts/bench_release_overhead.py (the GPU measurement of what gradient release costs per step) on a tiny model on
 the CPU: its blocks alternate, the release arm really releases, and the JSON holds what the summary is made of."""
 
-import importlib.util
 import json
 import math
 import statistics
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_release_overhead.py"
+from ..scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_release_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_release_overhead")
 
 
 def test_release_overhead_smoke_run_on_cpu(tmp_path):

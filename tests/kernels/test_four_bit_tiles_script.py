@@ -1,19 +1,13 @@
 """scripts/four_bit_tiles.py (version 1 and 2 of the 4-bit kernel timed in one process on a GPU): what it accepts and
 refuses before any GPU work."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "four_bit_tiles.py"
+from ..scripts import load_script
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("four_bit_tiles", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("four_bit_tiles")
 
 
 def test_variants_parse_tiles_and_caps():

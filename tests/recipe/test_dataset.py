@@ -1,18 +1,16 @@
 """The shipped offline instruction set is exactly what scripts/make_dataset.py generates, and its splits are sound."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from ..scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "apexw_hf" / "data"
 
 
 def _generator():
-    spec = importlib.util.spec_from_file_location("make_dataset", ROOT / "scripts" / "make_dataset.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_dataset")
 
 
 def test_regenerated_files_equal_shipped_bytes(tmp_path):
