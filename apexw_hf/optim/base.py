@@ -16,7 +16,7 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
-from .release import DEFAULT_BUCKET_SIZE, GROUP_STATE_KEY, GradientRelease
+from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
 
@@ -67,7 +67,9 @@ class ApexW(torch.optim.Optimizer):
             norm (see :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
             ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
         release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch
-            (a sharded parameter counts its global size over its shard count, the same on every rank).
+            (a sharded parameter counts its global size over its shard count, the same on every rank). ``None``
+            (default): 2**25 at the start of each backward pass, growing to 4 x 2**25 by its end, where the
+            activations freed by then leave room for it (see :mod:`apexw_hf.optim.release`).
 
     Example:
         >>> import torch
@@ -96,7 +98,7 @@ class ApexW(torch.optim.Optimizer):
         engine: str = "auto",
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
-        release_bucket_size: int = DEFAULT_BUCKET_SIZE,
+        release_bucket_size: int | None = None,
     ):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
@@ -144,8 +146,12 @@ class ApexW(torch.optim.Optimizer):
                     "max_grad_norm is for gradient_release=True, where the gradients are gone by step(); without "
                     "release clip as usual with torch.nn.utils.clip_grad_norm_(params, max_norm) before step()"
                 )
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"release_bucket_size must be an int >= 1 (gradient elements), got {bucket_size!r}")
+        bad_size = isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
+        if bucket_size is not None and bad_size:
+            raise ValueError(
+                f"release_bucket_size must be an int >= 1 (gradient elements) or None (the default, growing limit), "
+                f"got {bucket_size!r}"
+            )
 
     @staticmethod
     def _check_hparams(group: dict) -> None:
@@ -505,6 +511,8 @@ class ApexW(torch.optim.Optimizer):
             if converted:
                 state[p] = converted
         release_state = state_dict.get("gradient_release")
+        if self._release is not None:
+            self._release.check_saved(release_state)  # before anything is replaced
         self.__setstate__({"state": state, "param_groups": groups})
         self._group_index = {}
         if self._release is not None:

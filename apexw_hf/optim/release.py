@@ -4,11 +4,22 @@ A full fine-tune keeps, besides the weights and the optimizer state, every gradi
 to ``optimizer.step()``: 2 bytes per parameter of a bf16 model, as much as the weights. With
 ``ApexW(..., gradient_release=True)`` each trainable parameter gets a ``register_post_accumulate_grad_hook``; when
 autograd has finished a parameter's gradient (the sum over every use of it, so a tied embedding and output layer get
-one update), the parameter joins its param group's bucket. When a bucket holds ``release_bucket_size`` elements, it
+one update), the parameter joins its param group's bucket. When a bucket holds its limit of elements, it
 is stepped - one kernel launch (per parameter dtype) for all its tensors, the same update ``step()`` computes for
 those gradients - and the gradients are freed; when the backward pass ends (a callback queued on autograd's engine),
 every bucket is. Buckets are per group because a launch serves one group's hyperparameters: a bucket that mixed the
 Trainer's two groups (weight decay or not) would cost two launches, the second for a few norm weights.
+
+The limit. With ``release_bucket_size=N`` it is ``N`` elements. By default it grows through the backward pass: 2**25
+elements (64 MiB of bf16 gradients) at its start, up to 4 x 2**25 by its end, in proportion to the share of the
+previous step's released elements already released in this one. Each bucket costs host time on autograd's thread (a
+few launches and their Python), which a small model's GPU waits for, so fewer buckets make its step faster; and the
+gradients waiting in a bucket add to the peak memory, which a checkpointed model reaches at the start of the backward
+pass (every checkpointed activation still alive, the output layer's gradient just computed): later, the activations
+freed by then leave room for the larger buckets. The limit depends only on element counts (a sharded parameter's count
+is its global size over its shard count), so every rank of a sharded model cuts the same buckets, and from the second
+step on every step cuts the same ones (the norm estimate below assumes that). The previous step's count is saved with
+the state dict, so a resumed run cuts the buckets an unbroken one would.
 ``optimizer.step()`` then only closes the step: it steps any parameter whose gradient was set without a backward pass,
 records the step's gradient norm and checks that nothing was left behind.
 
@@ -70,7 +81,8 @@ import torch
 
 from . import dtensor as dt
 
-DEFAULT_BUCKET_SIZE = 2**25  # elements: 64 MiB of bf16 gradients wait at most for their launch
+DEFAULT_BUCKET_SIZE = 2**25  # elements: the default limit at the start of a backward pass (64 MiB of bf16)
+BUCKET_GROWTH = 4  # the default limit at the end of a backward pass, in DEFAULT_BUCKET_SIZE
 
 STATE_KEY = "gradient_release"  # the state dict's top-level key (written by ApexW.state_dict)
 GROUP_STATE_KEY = "gradient_release_state"  # the same in the first param group: survives torch.distributed.checkpoint
@@ -111,9 +123,13 @@ class GradientRelease:
     The optimizer is held through a weak reference, so a hook left on a parameter keeps no optimizer alive.
     """
 
-    def __init__(self, optimizer, bucket_size: int, max_grad_norm: float | None):
+    def __init__(self, optimizer, bucket_size: int | None, max_grad_norm: float | None):
         self._opt_ref = weakref.ref(optimizer)
-        self.bucket_size = bucket_size
+        self.bucket_size = bucket_size  # None: the default limit, growing through each backward pass
+        # elements released in this step so far, and in the last finished step (the default limit grows with their
+        # ratio); counted as _fill counts them
+        self._released = 0
+        self._prev_released = 0
         self.max_grad_norm = max_grad_norm
         self._handles: dict[int, tuple[weakref.ref, object]] = {}
         self._hooked_ids: list[int] | None = None
@@ -219,8 +235,16 @@ class GradientRelease:
         if not self._queued:
             self._queued = True
             _queue_end_of_backward(self._on_backward_end)
-        if numel >= self.bucket_size:
+        if numel >= (self.bucket_size or self._default_limit()):
             self._flush(None, gi)
+
+    def _default_limit(self) -> int:
+        """The default bucket limit now: DEFAULT_BUCKET_SIZE, growing to BUCKET_GROWTH times that with the share of the
+        last step's released elements released in this step so far."""
+        if not self._prev_released:
+            return DEFAULT_BUCKET_SIZE
+        done = min(self._released / self._prev_released, 1.0)
+        return int(DEFAULT_BUCKET_SIZE * (1.0 + (BUCKET_GROWTH - 1) * done))
 
     def _on_backward_end(self) -> None:
         self._queued = False
@@ -250,10 +274,11 @@ class GradientRelease:
     def _flush(self, extra: list[torch.Tensor] | None, group: int | None) -> None:
         if group is None:
             entries = [e for bucket in self._pending.values() for e in bucket]
+            self._released += sum(self._pending_numel.values())
             self._pending, self._pending_numel = {}, {}
         else:
             entries = self._pending.pop(group, [])
-            self._pending_numel.pop(group, None)
+            self._released += self._pending_numel.pop(group, 0)
         if not entries and not extra:
             return
         t0 = time.perf_counter()
@@ -359,12 +384,14 @@ class GradientRelease:
             self._prev_cum, self._cum = self._cum, self._prev_cum
             self._prev_k = self._k
             self._prev_keys = self._keys
+            self._prev_released = self._released
         self._begin_step()
 
     def _begin_step(self) -> None:
         """Forget this step's buckets and updated parameters: the next gradient starts a new step."""
         self._k, self._keys, self._same_buckets = 0, [], True
         self._stepped = set()
+        self._released = 0
         self._queued = False  # a backward pass that raised never ran its end-of-backward callback
 
     def abandon_step(self) -> None:
@@ -393,15 +420,26 @@ class GradientRelease:
     def state(self) -> dict:
         norm = None if self.grad_norm is None else float(self.grad_norm)
         partial = [] if self._prev_cum is None else self._prev_cum[: self._prev_k].tolist()
-        return {"prev_grad_norm": norm, "prev_partial_sumsq": partial}
+        return {"prev_grad_norm": norm, "prev_partial_sumsq": partial, "prev_released_numel": self._prev_released}
 
-    def load(self, saved: dict | None, device: torch.device | None) -> None:
+    @staticmethod
+    def check_saved(saved: dict | None) -> tuple[float | None, list, int]:
+        """The saved clipping state's fields (``prev_grad_norm``, ``prev_partial_sumsq``, ``prev_released_numel``),
+        checked: a ValueError that names the bad one. Called before anything of a state dict is loaded."""
         norm = (saved or {}).get("prev_grad_norm")
         if norm is not None and not isinstance(norm, (int, float)):
             raise ValueError(f"gradient_release state: prev_grad_norm must be a float or None, got {norm!r}")
         partial = (saved or {}).get("prev_partial_sumsq", [])
         if not isinstance(partial, (list, tuple)) or not all(isinstance(x, (int, float)) for x in partial):
             raise ValueError(f"gradient_release state: prev_partial_sumsq must be a list of floats, got {partial!r}")
+        # absent from checkpoints written before the default bucket limit grew: the next step starts from the base
+        released = (saved or {}).get("prev_released_numel", 0)
+        if isinstance(released, bool) or not isinstance(released, int) or released < 0:
+            raise ValueError(f"gradient_release state: prev_released_numel must be an int >= 0, got {released!r}")
+        return norm, list(partial), released
+
+    def load(self, saved: dict | None, device: torch.device | None) -> None:
+        norm, partial, released = self.check_saved(saved)
         if norm is None:
             self.grad_norm = None
         else:
@@ -409,6 +447,7 @@ class GradientRelease:
             self.grad_norm = t
         self._prev_cum = torch.tensor([float(x) for x in partial], dtype=torch.float32, device=device)
         self._prev_k = len(partial)
+        self._prev_released, self._released = released, 0
         self._cum, self._k, self._prev_norm = None, 0, None
         self._keys, self._prev_keys, self._same_buckets = [], None, True  # parameter ids do not outlive a process
 

@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint as ckpt
 
 from apexw_hf import ApexW
+from apexw_hf.optim import release as release_module
 
 from .helpers import FORMATS
 
@@ -57,6 +58,13 @@ def loss_of(model, step):
     x = torch.randint(0, 40, (3, 9), generator=g).to(model.emb.weight.device)
     logits = model(x).float()
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.roll(1, 1).flatten())
+
+
+def train_from(model, opt, step):
+    """One training step on the batch of step ``step`` (as ``train``'s step ``step``)."""
+    loss_of(model, step).backward()
+    opt.step()
+    opt.zero_grad()
 
 
 def train(model, opt, steps, sched=None):
@@ -412,6 +420,7 @@ def test_gradient_set_without_backward_is_stepped_once_and_double_update_refused
         (dict(gradient_release=True, max_grad_norm=0.0), "invalid max_grad_norm"),
         (dict(gradient_release=True, max_grad_norm=float("inf")), "invalid max_grad_norm"),
         (dict(gradient_release=True, release_bucket_size=0), "release_bucket_size must be an int >= 1"),
+        (dict(gradient_release=True, release_bucket_size=2.0), "release_bucket_size must be an int >= 1"),
     ],
 )
 def test_bad_release_arguments(kwargs, match):
@@ -562,3 +571,72 @@ def test_cuda_gradients_without_triton_take_the_pytorch_norm(monkeypatch):
     monkeypatch.setitem(sys.modules, "apexw_hf.engines.triton.kernels.release_norm", None)  # its import fails
     assert release._norm_impl(torch.device("cuda")) is release.release_norm_torch
     assert release._norm_impl(torch.device("cpu")) is release.release_norm_torch
+
+
+def test_default_bucket_limit_grows_through_backward(monkeypatch):
+    """``release_bucket_size=None`` (the default): the first step cuts buckets at DEFAULT_BUCKET_SIZE; later steps at
+    a limit that grows with the share of the last step's elements released so far, up to BUCKET_GROWTH times that:
+    fewer buckets, the same ones every step, and the same bits as step()."""
+    monkeypatch.setattr(release_module, "DEFAULT_BUCKET_SIZE", 300)
+    a, b, c = make(), make(), make()
+    oa = ApexW(groups(a), lr=2e-2, state_format="8bit", engine="torch")
+    ob = ApexW(groups(b), lr=2e-2, state_format="8bit", engine="torch", gradient_release=True)
+    oc = ApexW(groups(c), lr=2e-2, state_format="8bit", engine="torch", gradient_release=True, release_bucket_size=300)
+    counts, cuts, fixed = [], [], []
+    for t in range(4):
+        train_from(a, oa, t)
+        before, before_c = ob._release.flushes, oc._release.flushes
+        train_from(b, ob, t)
+        train_from(c, oc, t)
+        counts.append(ob._release.flushes - before)
+        fixed.append(oc._release.flushes - before_c)
+        cuts.append(ob._release._prev_keys)
+    trainable = {id(p): p for p in b.parameters() if p.requires_grad}.values()
+    assert ob._release._prev_released == sum(p.numel() for p in trainable)  # the tied weight once
+    assert counts[0] == fixed[0] and fixed[1:] == fixed[:-1]  # the first step: the base limit, as a fixed one
+    assert counts[1] < counts[0], counts  # then larger buckets
+    assert counts[1] == counts[2] == counts[3] and cuts[1] == cuts[2] == cuts[3]  # the same cut every step
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_cuts_the_buckets_of_an_unbroken_run(tmp_path, monkeypatch):
+    """The grown default limit depends on the last step's released elements, saved with the clipping state: a resumed
+    run cuts (and so clips) as an unbroken one, bit for bit."""
+    monkeypatch.setattr(release_module, "DEFAULT_BUCKET_SIZE", 300)
+    kw = dict(state_format="8bit", gradient_release=True, max_grad_norm=0.05)
+    a = make()
+    oa = ApexW(groups(a), **kw)
+    train(a, oa, 3)
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, tmp_path / "ckpt.pt")
+    assert oa.state_dict()["gradient_release"]["prev_released_numel"] == oa._release._prev_released > 0
+    flushes = oa._release.flushes
+    train(a, oa, 2)
+    per_step = (oa._release.flushes - flushes) / 2
+
+    b = make(seed=5)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    b.load_state_dict(saved["model"])
+    ob = ApexW(groups(b), **kw)
+    ob.load_state_dict(saved["opt"])
+    train(b, ob, 2)
+    assert ob._release.flushes / 2 == per_step
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bad_released_count_in_a_state_dict_is_refused_and_changes_nothing():
+    model = make()
+    opt = ApexW(groups(model), state_format="8bit", gradient_release=True, max_grad_norm=0.5)
+    train(model, opt, 1)
+    before, before_sd = opt._release.state(), copy.deepcopy(opt.state_dict())
+    sd = opt.state_dict()
+    sd["state"] = {}  # were it loaded, the moments would be gone
+    for bad in (-1, 1.5, "10", True):
+        sd["gradient_release"]["prev_released_numel"] = bad
+        with pytest.raises(ValueError, match="prev_released_numel must be an int >= 0"):
+            opt.load_state_dict(sd)
+        assert opt._release.state() == before
+        after = opt.state_dict()
+        for i, entry in before_sd["state"].items():
+            assert all(torch.equal(v, after["state"][i][k]) for k, v in entry.items())

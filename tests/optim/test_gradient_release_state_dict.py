@@ -57,4 +57,4 @@ def test_state_dict_without_release_state_and_non_release_state_dicts_load():
     assert "gradient_release" not in sd and "gradient_release_state" not in sd["param_groups"][0]
     fresh = ApexW(model.parameters(), lr=1e-2, state_format="8bit", engine="torch", gradient_release=True)
     fresh.load_state_dict(sd)
-    assert fresh._release.state() == {"prev_grad_norm": None, "prev_partial_sumsq": []}
+    assert fresh._release.state() == {"prev_grad_norm": None, "prev_partial_sumsq": [], "prev_released_numel": 0}
