@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--cc", type=int, default=90, help="compute capability: 90 H100/H200, 80 A100, 75 T4")
     ap.add_argument("--uneven", action="store_true", help="the EVEN=False specialization (element masks)")
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
+    ap.add_argument("--maxnreg", type=int, default=None, help="register cap (LaunchPlan maxnreg)")
     ap.add_argument("--nearest", action="store_true", help="16-bit parameters rounded to nearest")
     ap.add_argument(
         "--variant",
@@ -71,7 +72,7 @@ def main() -> None:
     runtime = {k: SIGNATURE.get(k, "i32") for k in fn.arg_names if k not in spec}
     src = triton.compiler.ASTSource(fn=fn, signature={**runtime, **{k: "constexpr" for k in spec}}, constexprs=spec)
     k = triton.compile(
-        src, target=GPUTarget("cuda", a.cc, 32), options={"num_warps": a.warps, "enable_fp_fusion": False}
+        src, target=GPUTarget("cuda", a.cc, 32), options={"num_warps": a.warps, "enable_fp_fusion": False, **({"maxnreg": a.maxnreg} if a.maxnreg else {})}
     )
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
