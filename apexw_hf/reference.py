@@ -55,8 +55,9 @@ Stochastic rounding of both moments draws on one 32-bit random word per element 
 ``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. In ``8bit``, bits 0-9 round ``v`` (10 bits:
 with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
 ``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
-hashes one word per element instead of two. ``4bit`` rounds ``m`` with bits 10-15 as ``8bit`` does, and ``v`` with
-bits 0-9 and 16-21.
+hashes one word per element instead of two. ``4bit`` rounds ``m`` with bits 0-5 and ``v`` with bits 6-21 (16 bits,
+the top six shared with a bf16 parameter's least significant ones; until 2026-12-05 ``m`` took bits 10-15 and ``v``
+bits 0-9 and 16-21, which cost the kernel two more operations and nine more registers).
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
@@ -316,7 +317,8 @@ M4_SIGN = 8  # the sign bit of a 4-bit m code
 M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
 M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
 V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
-V4_RAND_BITS = 16  # 4-bit v (version 2): bits 0-9 and 16-21 of the word, see v4_rand_offset
+V4_RAND_BITS = 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
+M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
 # v4_log_warp
 V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
@@ -413,30 +415,41 @@ def _scale_exact(x_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def v4_rand_offset(bits: torch.Tensor) -> torch.Tensor:
-    """The random offset that rounds a 4-bit ``v`` code (format version 2): 16 random bits, bits 0-9 of the moments'
-    word as the high ten and bits 16-21 as the low six (their low six bits of the bf16 parameter's rounding, where it
-    shares the word, are the least significant there too), placed below the code, plus half a unit."""
-    r = ((bits & 0x3FF) << 6) | ((bits >> 16) & 0x3F)
+    """The random offset that rounds a 4-bit ``v`` code (format version 2): 16 random bits, bits 6-21 of the moments'
+    word (``m`` takes bits 0-5), placed below the code, plus half a unit. Where a bf16 parameter shares the word
+    (its rounding takes bits 16-31), the six bits both read are the parameter's least significant: they move its
+    rounding probability by at most 2**-10 whatever ``v`` did. One mask of the word in the kernel."""
+    r = (bits >> 6) & 0xFFFF
     return (r << (23 - V4_RAND_BITS)) | (1 << (22 - V4_RAND_BITS))
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """fp32 ``a * b + c`` rounded once (a fused multiply-add), for the operands of :func:`v4_log_warp`: in fp64 the
+    product of two fp32 values is exact, and there the sum is too (its terms' bits span fewer than 53), so the one
+    rounding is the conversion to fp32."""
+    return (a.double() * b.double() + c).float()
 
 
 def v4_log_warp(y: torch.Tensor) -> torch.Tensor:
     """Map each non-negative fp32 ``y`` within its binade so that stochastic rounding of the result between the two
     powers of two around it is unbiased in ``log2(y)`` (to a quadratic's accuracy), not in ``y``: with ``y = 2**e * (1
     + f)``, the result is ``2**e * (1 + f * (A + f * (B + C * f)))`` with ``A, B, C = 1477, -621, 168 / 1024``, in
-    fp32, one IEEE operation at a time: a cubic of ``log2(1 + f)`` exact at ``f = 0`` and 1, within 0.006 between,
-    with the slopes of ``log2`` at both ends (within 0.3%: the rates at which a ``v`` just below or above a code
-    leaves it, hence the rate of decay). Powers of two (the codes) and 0 stay.
+    fp32, as three fused multiply-adds (``fma(f, fma(f, fma(C, f, B), A), 1)``, each rounded once): a cubic of
+    ``log2(1 + f)`` exact at ``f = 0`` and 1, within 0.006 between, with the slopes of ``log2`` at both ends (within
+    0.3%: the rates at which a ``v`` just below or above a code leaves it, hence the rate of decay). Powers of two (the
+    codes) and 0 stay.
 
     Why: rounding unbiased in ``v`` leaves ``E[1/sqrt(v)]`` too large by Jensen's inequality (the update 11% too
     large after a burst of large gradients, whose rounding noise the codes then keep), rounding unbiased in
     ``1/sqrt(v)`` inflates ``v``'s average instead (5% too small); unbiased in ``log2(v)`` sits between (2-3% too
     small, ``tests/optim/test_update_scale.py``). Integer work on the bits: the exponent field is kept, the mantissa
     replaced, so it commutes with scaling by powers of two and maps subnormals to subnormals (> 0 stays > 0).
+    The fused form (since 2026-12-05; two roundings fewer than the operation-by-operation form before, the same
+    values but for one in a few million mantissas, by one ulp) is what the kernels compute cheapest.
     """
     bits = y.view(torch.int32).to(torch.int64)
     f = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32) - 1.0
-    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    w = _fma32(f, _fma32(f, _fma32(f, torch.tensor(V4_LOG_C, dtype=torch.float32), V4_LOG_B), V4_LOG_A), 1.0)
     out = (bits & 0x7F800000) + (w.view(torch.int32).to(torch.int64) - 0x3F800000)
     return out.to(torch.int32).view(torch.float32)
 
@@ -446,7 +459,7 @@ def _quantize_m4(m: torch.Tensor, rb: torch.Tensor):
     a = mb.abs()
     sm, inv = _scale(a)
     y = _normalized(a, inv)
-    cm = minifloat_code(y, _rand_offset(rb, M_RAND_SHIFT, M_RAND_BITS, 23), 0, M4_BIAS)
+    cm = minifloat_code(y, _rand_offset(rb, M4_RAND_SHIFT, M_RAND_BITS, 23), 0, M4_BIAS)
     return cm | torch.where(mb < 0, M4_SIGN, 0), sm
 
 
@@ -463,8 +476,8 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     ``v`` rounds stochastically in the log domain (:func:`v4_log_warp`), so that its code's error in ``1/sqrt(v)``,
     what the update divides by, is nearly unbiased.
 
-    ``bits``: the 32-bit random word per element; bits 10-15 round ``m`` (as in ``8bit``), bits 0-9 and 16-21 round
-    ``v`` (:func:`v4_rand_offset`).
+    ``bits``: the 32-bit random word per element; bits 0-5 round ``m``, bits 6-21 round ``v``
+    (:func:`v4_rand_offset`).
     """
     n = m.numel()
     rb = _blocks(bits, BLOCK4)

@@ -21,8 +21,8 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
   propagates as ``torch.amax``'s does), rounded up to bf16 (4-bit ``v``: kept exact in fp32, a NaN canonical);
-* the random word ``mix32(index * GOLDEN + key)``, its bits 10-15 rounding ``m``, 0-9 ``v`` (4-bit: and 16-21 below
-  them) and 16-31 a bf16 parameter (``reference.param_stream``);
+* the random word ``mix32(index * GOLDEN + key)``, its bits 10-15 rounding ``m``, 0-9 ``v`` (4-bit: 0-5 ``m``, 6-21
+  ``v``) and 16-31 a bf16 parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
 A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
@@ -108,11 +108,13 @@ SIGN7, MAG7 = u32(128), u32(127)
 S4, S17, S23 = u32(4), u32(17), u32(23)
 LOW4, MAG3, SIGN3 = u32(15), u32(7), u32(8)
 M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
-# 4-bit v (format version 2): 16 random bits, the word's bits 0-9 at bits 13-22 and 16-21 at 7-12, half a unit at 6
+# 4-bit (format version 2): m's random bits are the word's bits 0-5 (to 17-22, half a unit at 16), v's 16 are its bits
+# 6-21 (to 7-22: the masked word shifted left by one, half a unit at 6)
 M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
-V4_LO_MASK, S7 = u32(63), u32(7)
+V4_RMASK, S1 = u32(0xFFFF << 6), u32(1)
 F32_NAN_BITS = u32(0x7FC00000)
-V4_LOG_A, V4_LOG_B, V4_LOG_C = f32(ref.V4_LOG_A), f32(ref.V4_LOG_B), f32(ref.V4_LOG_C)
+V4_LOG_A, V4_LOG_B, V4_LOG_C = np.float64(ref.V4_LOG_A), np.float64(ref.V4_LOG_B), np.float64(ref.V4_LOG_C)
+F64_ONE = np.float64(1.0)
 EXP_MASK, MANT_MASK, ONE_F32_BITS = u32(0x7F800000), u32(0x7FFFFF), u32(0x3F800000)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
@@ -158,8 +160,14 @@ def log_warp(y):
     """``reference.v4_log_warp`` of one fp32 ``y >= 0``."""
     b = f32_bits(y)
     f = bits_f32((b & MANT_MASK) | ONE_F32_BITS) - F_ONE
-    w = F_ONE + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
+    w = fma32(f, fma32(f, fma32(f, V4_LOG_C, V4_LOG_B), V4_LOG_A), F64_ONE)
     return bits_f32(u32((b & EXP_MASK) + u32(f32_bits(w) - ONE_F32_BITS)))
+
+
+@njit(inline="always")
+def fma32(a, b, c):
+    """``reference._fma32``: fp32 ``a * b + c`` rounded once, through fp64 (exact there for the warp's operands)."""
+    return f32(np.float64(a) * np.float64(b) + c)
 
 
 @njit(inline="always")
@@ -346,12 +354,12 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
                 w = wbuf[j]
                 m = mbuf[j]
                 x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL_M4)
-                r = (((w >> S10) & M_RMASK) << S17) | M4_HALF
+                r = ((w & M_RMASK) << S17) | M4_HALF
                 cm = u32(u32(x + r) >> S23) - M4_OFF
                 cm = cm | SIGN3 if m < F_ZERO else cm
                 v = vbuf[j]
                 x = code_bits(log_warp(normalized(v, inv_v)), MIN_NORMAL)
-                r = ((w & V_RMASK) << S13) | (((w >> S16) & V4_LO_MASK) << S7) | V4_HALF
+                r = ((w & V4_RMASK) << S1) | V4_HALF
                 cv = u32(u32(x + r) >> S23) - V4_OFF
                 cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv
                 codes[base + j] = np.uint8(cm | (cv << S4))

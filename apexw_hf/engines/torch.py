@@ -587,7 +587,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             p_out = None
     # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
-        # the whole word for compact, 4-bit (its v reads bits 16-21) and a bf16 parameter; else the low 16 bits
+        # the whole word for compact, 4-bit (its v reads bits 6-21) and a bf16 parameter; else the low 16 bits
         top = fmt in ("compact", "4bit") or p_out is not None
         hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=top)
     if p_out is not None and stochastic_p:  # bf16 with 8-bit or 4-bit state: the top 16 bits of the moments' word

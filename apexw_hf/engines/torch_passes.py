@@ -70,11 +70,10 @@ assert M_RAND_UP == 4 and V_RAND_UP == 9 and ((112 + M_K) * 8) % 256 == 0 and ((
 # 4-bit: no mantissa bits, so the code is what the random offset carries into bit 23 (module docstring)
 M4_K, V4_K = -8, -7
 M4_OFFSET, V4_OFFSET = 127 - ref.M4_BIAS + M4_K, 127 - ref.BIAS + V4_K  # 112, 105: exponent field of code 0
-M4_RAND_UP = 23 - ref.M_RAND_BITS - ref.M_RAND_SHIFT  # 7: bits 10-15 to 17-22
-V4_RAND_UP = 23 - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 13: bits 0-9 to 13-22
-M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V_RAND_BITS) - 1) << 13
-# v (format version 2) has 16 random bits (reference.v4_rand_offset): bits 16-21 go to 7-12, half a unit at bit 6
-V4_LO_DOWN, V4_LO_MASK = 9, 0x3F << 7
+# m: the word's bits 0-5 to 17-22; v (16 random bits, reference.v4_rand_offset): bits 6-21 to 7-22
+M4_RAND_UP = 23 - ref.M_RAND_BITS - ref.M4_RAND_SHIFT  # 17
+V4_RAND_UP = 23 - ref.V4_RAND_BITS - 6  # 1
+M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V4_RAND_BITS) - 1) << 7
 M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 6
 M4_SIGN_ALPHA = -8  # 127 * -8 = 8 (mod 256): the bits of 1.0 times this set the sign bit of the m code
 M4_DECODE_SCALE_MAX = 2.0**120  # below this, 2**8 * scale is finite (and exact)
@@ -119,7 +118,6 @@ class Consts:
         self.mask4_col = col([M4_RAND_MASK, V4_RAND_MASK], torch.int32)
         self.half4_col = col([M4_RAND_HALF, V4_RAND_HALF], torch.int32)
         self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
-        self.v4_lo_down, self.v4_lo_mask = i(V4_LO_DOWN), i(V4_LO_MASK)
         # reference.v4_log_warp
         self.exp_mask, self.mant_mask, self.one_bits = i(0x7F800000), i(0x7FFFFF), i(0x3F800000)
         self.log_a, self.log_b, self.log_c = f(ref.V4_LOG_A), f(ref.V4_LOG_B), f(ref.V4_LOG_C)
@@ -478,8 +476,16 @@ def log_warp_(b: Buffers, c: Consts, x: torch.Tensor) -> None:
     fi = f.view(torch.int32)
     torch.bitwise_and(xi, c.mant_mask, out=fi).bitwise_or_(c.one_bits)
     f.sub_(c.one)  # f, exactly
-    torch.mul(f, c.log_c, out=x)  # C * f (x is free now: its bits are in e and f)
-    x.add_(c.log_b).mul_(f).add_(c.log_a).mul_(f).add_(c.one)  # 1 + f * (A + f * (B + C * f)), each op rounded
+    # fma(f, fma(f, fma(f, C, B), A), 1): each fused multiply-add in fp64 (exact there) and rounded once to fp32
+    d = b.typed("warp_d", torch.float64)
+    t = b.typed("warp_t", torch.float64)
+    d.copy_(f)
+    torch.mul(d, c.log_c, out=t).add_(c.log_b)
+    x.copy_(t)  # x is free now: its bits are in e and f
+    t.copy_(x).mul_(d).add_(c.log_a)
+    x.copy_(t)
+    t.copy_(x).mul_(d).add_(c.one)
+    x.copy_(t)
     xi.sub_(c.one_bits).add_(e)
 
 
@@ -507,9 +513,6 @@ def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
         torch.maximum(b.m, b.u_m, out=b.m)
         b.v.clamp_(min=c.v4_least)
     torch.bitwise_left_shift(b.z, c.up4_col, out=b.r2).bitwise_and_(c.mask4_col).add_(c.half4_col)
-    lo = b.typed("v4_rand_lo", torch.int32)  # v's six low random bits, the word's bits 16-21 at bits 7-12
-    torch.bitwise_right_shift(b.z, c.v4_lo_down, out=lo).bitwise_and_(c.v4_lo_mask)
-    b.rv.add_(lo)
     b.r.add_(b.mv_i)
     b.rm.add_(b.a_i, alpha=M4_SIGN_ALPHA)
     b.r.bitwise_right_shift_(c.s23)  # the codes' exponent fields (m's plus 8 where m < 0, mod 256)

@@ -275,20 +275,23 @@ def test_decode_every_code(moment, words):
 # ---- 4-bit: sign + e3m0 (bias 7) and e4m0 (bias 15) codes in one byte, 128-element blocks ---------------------------
 
 MANT4 = {"m": 0, "v": 0}
-V4_WORD_MASK = 0x3F03FF  # the word's bits that round a 4-bit v (0-9 and 16-21)
+# the word's bits that round a 4-bit m (0-5) and v (6-21)
+WORD_MASK4 = {"m": ((1 << ref.M_RAND_BITS) - 1) << ref.M4_RAND_SHIFT, "v": 0xFFFF << 6}
 
 
 def _v4_word(r: int) -> int:
     """The word whose bits round a 4-bit v with the 16-bit random value ``r`` (``reference.v4_rand_offset``)."""
-    return (r >> 6) | ((r & 63) << 16)
+    return r << 6
 
 
 def _words4(n: int, kind: str, moment: str) -> torch.Tensor:
-    """``_words`` for the 4-bit codes, whose v reads the word's bits 0-9 and 16-21."""
-    if moment == "v" and kind in ("own_bits", "other_bits"):
-        w = V4_WORD_MASK if kind == "own_bits" else 0xFFFFFFFF ^ V4_WORD_MASK
-        return torch.full((n,), w, dtype=torch.int64)
+    """``_words`` for the 4-bit codes, whose m reads the word's bits 0-5 and v its bits 6-21."""
+    if kind in ("own_bits", "other_bits"):
+        mask = WORD_MASK4[moment]
+        return torch.full((n,), mask if kind == "own_bits" else 0xFFFFFFFF ^ mask, dtype=torch.int64)
     return _words(n, kind, moment)
+
+
 BIAS4 = {"m": ref.M4_BIAS, "v": ref.BIAS}
 CODE_MAX4 = {"m": ref.M4_CODE_MAX, "v": ref.V4_CODE_MAX}
 
@@ -440,7 +443,7 @@ def test_4bit_rounding_thresholds(moment):
     """For each code step and several random values ``r``: the value whose dropped bits plus the offset reach the next
     code exactly, and its neighbours one ulp either side (the word carries exactly those random bits); in the normal
     range and below the subnormal boundary (there in units of the ulp of ``y + boundary``)."""
-    shift, nbits = RAND[moment] if moment == "m" else (0, ref.V4_RAND_BITS)
+    shift, nbits = (ref.M4_RAND_SHIFT, ref.M_RAND_BITS) if moment == "m" else (6, ref.V4_RAND_BITS)
     ys, ws = [], []
     base = _code_values4(moment)[1 : CODE_MAX4[moment]]  # normal codes below 1.0
     ulp = 2.0 ** (1 - BIAS4[moment]) * 2.0**-23

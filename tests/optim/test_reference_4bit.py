@@ -23,7 +23,8 @@ from .helpers import lora_3b_shapes
 
 M_VALUES = [0.0] + [2.0 ** (c - 7) for c in range(1, 8)]  # m magnitude codes 0..7
 V_VALUES = [0.0] + [2.0 ** (c - 15) for c in range(1, 16)]  # v codes 0..15
-M_SHIFT, M_NBITS, V_SHIFT, V_NBITS = ref.M_RAND_SHIFT, ref.M_RAND_BITS, ref.V_RAND_SHIFT, ref.V_RAND_BITS
+# the 4-bit m's random bits (0-5 of the word); version 1's v read the 8-bit v's (0-9)
+M_SHIFT, M_NBITS, V_SHIFT, V_NBITS = ref.M4_RAND_SHIFT, ref.M_RAND_BITS, ref.V_RAND_SHIFT, ref.V_RAND_BITS
 V4_NBITS = ref.V4_RAND_BITS
 
 
@@ -62,7 +63,8 @@ def test_every_code_decodes_to_its_documented_value():
 
 def test_representable_values_encode_to_themselves_for_every_word():
     """0, 2**-6 .. 1 (m) and 0, 2**-14 .. 1 (v): every low 16-bit word under four top halves (v also reads bits
-    16-21), in the codec; then through quantize/dequantize with a block scale, for every m and v random pattern."""
+    16-21), in the codec; then through quantize/dequantize with a block scale, for every m random pattern and every
+    pattern of v's ten high random bits."""
     low = torch.arange(1 << 16, dtype=torch.int64)
     for top in (0, 0x3F, 0x2A, 0xFFFF):
         words = low | (top << 16)
@@ -70,9 +72,10 @@ def test_representable_values_encode_to_themselves_for_every_word():
             assert (_code_m(torch.full((1 << 16,), y), words) == c).all(), (c, top)
         for c, y in enumerate(V_VALUES):
             assert (_code_v(torch.full((1 << 16,), y), words) == c).all(), (c, top)
-    # one block of 128 per word pattern: 1024 blocks give every v pattern (bits 0-9) and every m pattern (10-15)
+    # one block of 128 per word pattern: 1024 blocks give every m pattern (bits 0-5) and every pattern of v's ten high
+    # random bits (12-21), the word's other bits hashed
     i = torch.arange(1024, dtype=torch.int64)
-    words = (i | ((i & 63) << 10) | (_words(1024) & ~0xFFFF)).repeat_interleave(ref.BLOCK4)
+    words = ((i & 63) | (i << 12) | (_words(1024) & 0xFFC00FC0)).repeat_interleave(ref.BLOCK4)
     row_m = torch.tensor(M_VALUES + [-x for x in M_VALUES[1:]] + [1.0] * (128 - 15))
     row_v = torch.tensor(V_VALUES + V_VALUES[1:] + [1.0] * (128 - 31))
     for s in (1.0, 0.375, 2.0**-60, 2.0**100, 0.999):
@@ -285,9 +288,8 @@ def test_v_keeps_decaying_when_another_element_holds_the_block_maximum(beta2):
     ``log2(v_t / v_0)`` is within 5 standard errors of ``-p * t``."""
     n, steps = 64 * ref.BLOCK4, 1000
     b = _beta2_f32(beta2)
-    # the codec reads bits 0-9 and 16-21: spread 16 bits over them
-    w = torch.arange(1 << 16, dtype=torch.int64)
-    words = (w >> 6) | ((w & 63) << 16)
+    # the codec reads bits 6-21: every 16-bit pattern there
+    words = torch.arange(1 << 16, dtype=torch.int64) << 6
     p = (_code_v(torch.full((1 << 16,), b * 2.0**-3), words) == 11).double().mean().item()
     assert abs(p + math.log2(b)) < 0.01 * -math.log2(b) + 2.0**-16  # to the resolution of 16 random bits
     v = torch.full((n,), 2.0**-3)

@@ -79,6 +79,7 @@ def main() -> None:
         cubin = os.path.join(tmp, "k.cubin")
         Path(cubin).write_bytes(k.asm["cubin"])
         sass = subprocess.run([str(tool), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([str(tool), "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
     if a.sass:
         a.sass.write_text(sass)
     ins = [m.group(1) for line in sass.splitlines() if (m := INSN.match(line))]
@@ -95,6 +96,7 @@ def main() -> None:
         f"{len(ins)} SASS ({len(ins) / per_thread:.1f}/element), main path {len(main_path)} "
         f"({len(main_path) / per_thread:.1f}/element)"
     )
+    print("resources:", " ".join(re.findall(r"REG:\d+|STACK:\d+", usage)))
     print(" ".join(f"{o}:{c}" for o, c in collections.Counter(map(op, main_path)).most_common(30)))
     print("memory:", dict(collections.Counter(re.findall(r"\b[LS]TG[.A-Z0-9]*", sass))))
 

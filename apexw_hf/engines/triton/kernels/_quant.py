@@ -23,11 +23,11 @@ reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp
 product encodes both codes: ``y * 2**-112`` for ``v`` (bias 15, as above) and ``y * 2**-120`` for ``m`` (bias 7: its
 subnormal boundary 2**-6 lands on fp32's 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 *
 2**120); with no mantissa bits a code is the fp32 exponent field of that product once the random offset is added.
-One shift of the random word places ``m``'s random bits (bits 10-15) right below its code when the magnitude is added
-shifted left by 5 (code in bits 28-30, bit 31 free); ``v``'s 16 random bits (bits 0-9 high, 16-21 low,
-``reference.v4_rand_offset``) are gathered into bits 6-21 (the high ten from the same shifted word), below the code at
-bits 22-25 of the magnitude's bits shifted right by 1 (the bit shifted out lies below the half-unit bit, so the carry,
-hence the code, is the same; the shift and the addition are one LEA.HI). Decoding goes through fp16
+One shift of the random word places ``m``'s random bits (bits 0-5) right below its code when the magnitude is added
+shifted left by 5 (code in bits 28-30, bit 31 free); ``v``'s 16 random bits (bits 6-21, ``reference.v4_rand_offset``)
+are where they belong already, below the code at bits 22-25 of the warped magnitude's bits shifted right by 1 (the
+bit shifted out lies below the half-unit bit, so the carry, hence the code, is the same; the shift and the addition
+are one LEA.HI): one mask of the word. Decoding goes through fp16
 as for 8 bits: the ``v`` code is the fp16 exponent field (``code << 10``, code 0 the zero); the ``m`` code is too with
 bias 15, and an exact fp16 multiplication by 256, two codes at a time, moves it to bias 7 (zero stays zero).
 """
@@ -45,14 +45,16 @@ M_RAND_MASK = tl.constexpr(0x3F << 18)
 M_HALF = tl.constexpr(1 << 17)
 V_RAND_MASK = tl.constexpr(0x3FF << 14)
 V_HALF = tl.constexpr(1 << 13)
-# 4-bit: one shift of the random word by W4_SHIFT puts bits 10-15 (m) at bits 22-27, right below the m code when the
+# 4-bit: one shift of the random word by W4_SHIFT puts bits 0-5 (m) at bits 22-27, right below the m code when the
 # magnitude's bits are added shifted left by 5, plus half a unit below them (reference._rand_offset with drop = 23).
 TWO_POW_M120 = tl.constexpr(2.0**-120)
-W4_SHIFT = tl.constexpr(12)
+W4_SHIFT = tl.constexpr(22)
 M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
-# 4-bit v (version 2), added to the bits of its scaled magnitude shifted right by 1 (code at bits 22-25): bits 0-9 of
-# the word to bits 12-21 (where the shift by W4_SHIFT puts them), bits 16-21 to bits 6-11, half a unit at bit 5.
-V4_HI_MASK, V4_LO_MASK, V4_HALF = tl.constexpr(0x3FF << 12), tl.constexpr(0x3F << 6), tl.constexpr(1 << 5)
+# 4-bit v (version 2), added to the bits of its warped magnitude shifted right by 1 (code at bits 22-25): bits 6-21 of
+# the word as they are, half a unit at bit 5.
+V4_RAND_MASK, V4_HALF = tl.constexpr(0xFFFF << 6), tl.constexpr(1 << 5)
+# the least normalized v the warp sees: below 2**-14 every nonzero v gets code 1 anyway (see v4_warp_scaled_bits)
+V4_Y_MIN = tl.constexpr(2.0**-15)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = tl.constexpr(1477 / 1024), tl.constexpr(-621 / 1024), tl.constexpr(168 / 1024)
 
@@ -261,30 +263,32 @@ def dequant_mv4_words(w, m_scale_bits, v_scale):
 
 
 @triton.jit
-def v4_warp_scaled(y, one_f32):
-    """``reference.v4_log_warp(y) * 2**-112`` for fp32 ``0 <= y <= 1``, bit for bit: the mantissa ``f`` replaced by
-    that of ``1 + f * (A + f * (B + C * f))`` (launched without fp fusion, so each operation rounds as the
-    reference's), with two integer operations instead of the reference's four.
+def v4_warp_scaled_bits(y, one_f32):
+    """The fp32 bits of ``reference.v4_log_warp(y) * 2**-112`` for fp32 ``2**-15 <= y <= 1``, bit for bit: the
+    mantissa ``f`` replaced by that of ``fma(f, fma(f, fma(f, C, B), A), 1)`` (``tl.fma``: one rounding each, as the
+    reference's), the exponent field moved down by 112 as an integer.
 
     ``one_f32``: the bits of 1.0 (0x3F800000, uint32) in a register the compiler cannot see as a constant (as ``one``
     in :func:`quant_m`), so that the mantissa is masked and given 1.0's exponent in one LOP3. The warp's result,
-    ``2**e * w`` with ``w = 1 + f * (...)`` in [1, 2], is the product of ``w`` and the power of two whose bits are
-    ``y``'s exponent field: exact for normal ``y`` (``w = 2`` included: the exponent goes up by one, as the
-    reference's integer sum carries into it). For subnormal ``y`` and 0 that power is 0, where the reference's
-    result is the subnormal with ``w``'s mantissa (``2**-126`` for ``w = 2``): either way at most ``2**-126``, and
-    times ``2**-112`` the same +0. The multiplication by ``2**-112`` then rounds the same value as the reference's.
+    ``2**e * w`` with ``w = fma(...)`` in [1, 2], times ``2**-112``, has the bits of ``w`` plus ``(e - 112) << 23``
+    (``w = 2`` included: the exponent goes up by one, as the reference's integer sum carries into it): exact for
+    ``y >= 2**-14``, whose product is normal. For ``2**-15 <= y < 2**-14`` the bits are ``w``'s mantissa alone (the
+    exponent field 0), a code of 0 or 1 after the random offset, where the reference's product is a subnormal and
+    its code 0 or 1 too; either way :func:`quant_mv4` then gives every nonzero ``v`` code 1, and a zero ``v``
+    (clamped up to ``y = 2**-15``, ``w = 1``, mantissa 0) code 0. Smaller ``y`` would borrow from the exponent: the
+    caller clamps at 2**-15.
     """
     b = f32_bits(y)
     f = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True) - 1.0
-    w = 1.0 + f * (V4_LOG_A + f * (V4_LOG_B + V4_LOG_C * f))
-    return (w * (b & 0x7F800000).to(tl.float32, bitcast=True)) * TWO_POW_M112
+    w = tl.fma(f, tl.fma(f, tl.fma(f, V4_LOG_C, V4_LOG_B), V4_LOG_A), 1.0)
+    return (b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)
 
 
 @triton.jit
 def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R] (bf16), v scale bits [2 * R]
-    (fp32)): scales of 128-element blocks; bits 10-15 of the 32 random ``bits`` round ``m``, bits 0-9 and 16-21 round
-    ``v`` (in the log domain, :func:`v4_warp_scaled`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``,
+    (fp32)): scales of 128-element blocks; bits 0-5 of the 32 random ``bits`` round ``m``, bits 6-21 round ``v`` (in
+    the log domain, :func:`v4_warp_scaled_bits`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``,
     format version 2). ``one``: [2 * R, 1], as in :func:`quant_m`. ``EVEN``: the launch is whole 256-element rows
     (masked rows hold zeros).
 
@@ -301,11 +305,10 @@ def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     msb, minv = block_scale(a, mask, not EVEN)
     vsb, vinv = block_scale_f32(v, mask, not EVEN)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
-    yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
-    w = bits << W4_SHIFT
-    xm = (f32_bits(ym * TWO_POW_M120) << 5) + ((w & M4_RAND_MASK) | (one * M4_HALF))
-    rv = (w & V4_HI_MASK) | (((bits >> 10) & V4_LO_MASK) | (one * V4_HALF))
-    cv = ((f32_bits(v4_warp_scaled(yv, one * 0x3F800000)) >> 1) + rv) >> 22
+    yv = tl.minimum(tl.maximum(v * vinv[:, None], V4_Y_MIN), 1.0)
+    xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
+    rv = (bits & V4_RAND_MASK) | (one * V4_HALF)
+    cv = ((v4_warp_scaled_bits(yv, one * 0x3F800000) >> 1) + rv) >> 22
     cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)

@@ -274,7 +274,7 @@ def _adamw_kernel(
             tl.store(v_ptr + offs, v, mask=mask)
         else:
             # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9 v,
-            # bits 10-15 m, and the top 16 a bf16 parameter; 4bit as 8bit, with bits 16-21 as v's six low bits).
+            # bits 10-15 m, and the top 16 a bf16 parameter; 4bit: bits 0-5 m, bits 6-21 v, the top 16 a parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
                 tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
