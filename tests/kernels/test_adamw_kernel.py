@@ -486,10 +486,10 @@ def test_register_caps_by_specialization():
         return plan._cap((fmt, None, None, False, stochastic, per_tensor, True, even, plan.rows))
 
     assert MAX_REGISTERS == {
-        ("4bit", torch.bfloat16, True, True, False): 72,
+        ("4bit", torch.bfloat16, True, True, False): 64,
         ("4bit", torch.float32, False, True, False): 64,
     }
-    assert cap("4bit", torch.bfloat16) == 72
+    assert cap("4bit", torch.bfloat16) == 64
     assert cap("4bit", torch.bfloat16, stochastic=False) is None
     assert cap("4bit", torch.bfloat16, even=False) is None
     assert cap("4bit", torch.bfloat16, per_tensor=True) is None

@@ -81,17 +81,17 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # Register cap per thread (ptxas .maxnreg) of the default tile, by (format, parameter dtype, stochastic parameter
 # rounding (False for fp32 parameters), whole 256-element rows, per-tensor steps): LaunchPlan's maxnreg="auto". The
 # one-warp 1 x 256 tile is limited by registers: an SM holds at most 32 resident programs, and its 65,536 registers
-# give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state (format version 2)
-# with bf16 parameters rounded stochastically keeps the moments' random word alive until the parameter's rounding and
-# takes 80 registers (sm_90, triton 3.6); capped at 72 (no spill, 1160 instructions instead of 1136) it ran 0.963x the
-# uncapped time on 4 x 8192^2 bf16 and 0.964x on Llama-3.2-1B shapes (H200, scripts/four_bit_regcap.py at c1df199;
-# docs/results/four_bit_v2/h200_c1df199), 0.960x / 0.975x on an H100 (scripts/four_bit_tiles.py at be771c0); 64
-# spilled and gained less. With fp32 parameters it takes 72; capped at 64 (no spill on the GPU, 1120 instructions
-# instead of 1096) it ran 0.959x the uncapped time on 4 x 8192^2, 0.982x on Llama-3.2-1B shapes and 0.95x on the LoRA
-# set (H100, four_bit_tiles.py at be771c0, 7 interleaved rounds; H200 at c1df199: 0.982x on 4 x 8192^2). A cap
-# changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with caps).
+# give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state (format version 2,
+# encoding of d9882d7): with bf16 parameters rounded stochastically it takes 71 registers (sm_90, triton 3.6); capped
+# at 64 (no spill) it ran 0.989x / 0.987x the uncapped time on 4 x 8192^2 / Llama-3.2-1B shapes (60: 4 bytes spilled,
+# slower; 68 and 72 no faster than none). With fp32 parameters it takes 72; capped at 64 (2 bytes spilled) it ran
+# 0.985x / 0.995x / 0.978x the uncapped time on 4 x 8192^2 / 1B / the LoRA set (68, no spill: 1.026x version 1's
+# time on 4 x 8192^2 where 64 ran 1.021x, in a second run).
+# H100, scripts/four_bit_tiles.py at d9882d7, 7 interleaved rounds (docs/results/four_bit_v2/tiles_h100_d9882d7).
+# A cap changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with
+# caps).
 MAX_REGISTERS = {
-    ("4bit", torch.bfloat16, True, True, False): 72,
+    ("4bit", torch.bfloat16, True, True, False): 64,
     ("4bit", torch.float32, False, True, False): 64,
 }
 
