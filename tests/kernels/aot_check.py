@@ -3,7 +3,8 @@ CPU and check the PTX.
 
 Run as a script (without TRITON_INTERPRET): ``python tests/kernels/aot_check.py 75``. Prints one line per
 specialization and exits non-zero if any PTX holds a hardware bf16 conversion (``cvt.rn.bf16``, absent before
-sm_80), FMA contraction, an approximate division, square root or reciprocal, or any flush-to-zero instruction.
+sm_80), FMA contraction (any fused multiply-add but the 4-bit ``v`` warp's three per element, written as ``tl.fma``),
+an approximate division, square root or reciprocal, or any flush-to-zero instruction.
 """
 
 import itertools
@@ -36,8 +37,21 @@ SIGNATURE = {
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 FORMATS = ("fp32", "compact", "8bit", "4bit")
 # Every instruction of the update and of the 8-bit and 4-bit codes must round as IEEE does on subnormals too: no
-# flush-to-zero, no approximate math, no contraction into FMA.
-BAD = [r"cvt\.rn\.bf16", r"\bfma\.", r"\.approx\.", r"div\.full", r"\.ftz\."]
+# flush-to-zero, no approximate math, no contraction into FMA: the only fused multiply-adds are the 4-bit v warp's
+# (reference.v4_log_warp: three ``fma.rn.f32`` per element), counted by fma_problems.
+BAD = [r"cvt\.rn\.bf16", r"\.approx\.", r"div\.full", r"\.ftz\."]
+FMA = re.compile(r"\bfma\.[a-z0-9.]+")
+WARP_FMAS = 3  # per element of a 4-bit kernel
+
+
+def fma_problems(ptx: str, expected: int) -> list[str]:
+    """Any fused multiply-add but ``expected`` ``fma.rn.f32`` (the 4-bit warp's): a contraction the launch forbids."""
+    found = FMA.findall(ptx)
+    if found.count("fma.rn.f32") == expected and len(found) == expected:
+        return []
+    return [f"{len(found)} fused multiply-adds ({sorted(set(found))}), {expected} expected"]
+
+
 REQUIRED = [r"sqrt\.rn\.f32", r"div\.rn\.f32"]
 # (rows, warps) of launch.LAUNCH_CONFIG, and a larger tile
 TILES = [(1, 1), (4, 4), (8, 8)]
@@ -124,7 +138,7 @@ def main(cc: int) -> int:
         )
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        bad = [b for b in BAD if re.search(b, ptx, re.M)]
+        bad = [b for b in BAD if re.search(b, ptx, re.M)] + fma_problems(ptx, 0)
         bad += [f"missing {r}" for r in REQUIRED if spec["CLIP"] and not re.search(r, ptx)]
         failures += bool(bad)
         name = f"release_norm lo={signature['coef_lo_ptr']} " + " ".join(f"{k}={v}" for k, v in spec.items())
@@ -138,7 +152,9 @@ def main(cc: int) -> int:
             src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
         )
         ptx = k.asm["ptx"]
+        per_thread = spec["ROWS"] * 256 // (32 * warps)  # elements
         bad = [b for b in BAD if re.search(b, ptx, re.M)]
+        bad += fma_problems(ptx, WARP_FMAS * per_thread if spec["FMT"] == "4bit" else 0)
         bad += [f"missing {r}" for r in REQUIRED if not re.search(r, ptx)]
         failures += bool(bad)
         name = (
