@@ -143,8 +143,8 @@ BURST_FORMATS = ("fp32", "compact", "8bit", "4bit_v1", "4bit", "4bit_weyl")
 
 class _WeylBits:
     """While active, ``reference.quantize_mv4`` rounds ``v`` with the Weyl candidate's bits: element ``i`` at step
-    ``t`` gets the top 16 bits of ``h_i + t * WEYL`` in the word bits that ``reference.v4_rand_offset`` reads (0-9,
-    16-21); ``m`` keeps its independent bits. For the burst table only: not a format of the package."""
+    ``t`` gets the top 16 bits of ``h_i + t * WEYL`` in the word bits that ``reference.v4_rand_offset`` reads (6-21);
+    ``m`` keeps its independent bits. For the burst table only: not a format of the package."""
 
     def __init__(self, n: int, gen: torch.Generator):
         self.phase = torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
@@ -155,7 +155,7 @@ class _WeylBits:
 
         def quantize(m, v, bits):
             r = ((self.phase + self.step * WEYL) & 0xFFFFFFFF) >> 16
-            word = (bits.reshape(-1) & ~0x3F03FF) | (r >> 6) | ((r & 0x3F) << 16)
+            word = (bits.reshape(-1) & ~0x3FFFC0) | (r << 6)
             return self.orig(m, v, word.view(bits.shape))
 
         ref.quantize_mv4 = quantize
