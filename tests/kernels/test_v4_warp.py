@@ -1,9 +1,9 @@
 """The kernel's ``v4_warp_scaled_bits`` (the 4-bit ``v`` warp and the ``2**-112`` product in one helper: the warp's
 fused multiply-adds, then the exponent moved down as an integer) against ``reference.v4_log_warp``, bit for bit, for
-every fp32 mantissa of the binades it serves: from ``2**-15`` (the least ``y`` the kernel lets through) to 1. From
-``2**-14`` on its bits are those of ``reference.v4_log_warp(y) * 2**-112``; in ``[2**-15, 2**-14)``, where that
-product is subnormal, they are the warp's mantissa alone (exponent field 0), which rounds to code 0 or 1 as the
-subnormal does (and every nonzero ``v`` gets code 1 there anyway, ``test_quant_codes``).
+every fp32 mantissa of a binade: from ``2**-14`` on its bits are those of ``reference.v4_log_warp(y) * 2**-112``;
+in ``[2**-15, 2**-14)``, where that product is subnormal, they are the warp's mantissa alone (exponent field 0), which
+rounds to code 0 or 1 as the subnormal does (and every nonzero ``v`` gets code 1 there anyway,
+``test_quant_codes``); below, fp32 subnormals and 0 included, they are 0 (code 0).
 """
 
 import pytest
@@ -32,16 +32,18 @@ def _binade(exp_field: int) -> torch.Tensor:
     return (torch.arange(1 << 23, dtype=torch.int32) | (exp_field << 23)).view(torch.float32)
 
 
-# 112: y in [2**-15, 2**-14), the product's subnormal range; 113-114: from the smallest normal product on; 120, 126:
-# ordinary binades, the last one [0.5, 1), then y = 1
-@pytest.mark.parametrize("exp_field", [112, 113, 114, 120, 126])
+# 0: fp32 subnormals (and 0); 1, 100, 111: below 2**-15; 112: y in [2**-15, 2**-14), the product's subnormal range;
+# 113-114: from the smallest normal product on; 120, 126: ordinary binades, the last one [0.5, 1), then y = 1
+@pytest.mark.parametrize("exp_field", [0, 1, 100, 111, 112, 113, 114, 120, 126])
 def test_v4_warp_scaled_bits_every_mantissa(exp_field):
     y = _binade(exp_field)
     if exp_field == 126:
         y = torch.cat([y, torch.tensor([1.0])])
         y = torch.cat([y, torch.full((BLOCK - y.numel() % BLOCK,), 0.75)])
     warped = ref.v4_log_warp(y)
-    want = (warped.view(torch.int32).to(torch.int64) - (112 << 23)).to(torch.int32)
+    want = (warped.view(torch.int32).to(torch.int64) - (112 << 23)).clamp(min=0).to(torch.int32)
+    if exp_field < 112:
+        assert (want == 0).all()
     if exp_field >= 113:  # the product is normal: the same bits as the reference's multiplication by 2**-112
         assert torch.equal(want, (warped * torch.tensor(2.0**-112, dtype=torch.float32)).view(torch.int32))
     out = torch.empty(y.numel(), dtype=torch.int32, device=DEVICE)

@@ -53,8 +53,6 @@ M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
 # 4-bit v (version 2), added to the bits of its warped magnitude shifted right by 1 (code at bits 22-25): bits 6-21 of
 # the word as they are, half a unit at bit 5.
 V4_RAND_MASK, V4_HALF = tl.constexpr(0xFFFF << 6), tl.constexpr(1 << 5)
-# the least normalized v the warp sees: below 2**-14 every nonzero v gets code 1 anyway (see v4_warp_scaled_bits)
-V4_Y_MIN = tl.constexpr(2.0**-15)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = tl.constexpr(1477 / 1024), tl.constexpr(-621 / 1024), tl.constexpr(168 / 1024)
 
@@ -264,9 +262,10 @@ def dequant_mv4_words(w, m_scale_bits, v_scale):
 
 @triton.jit
 def v4_warp_scaled_bits(y, one_f32):
-    """The fp32 bits of ``reference.v4_log_warp(y) * 2**-112`` for fp32 ``2**-15 <= y <= 1``, bit for bit: the
+    """The fp32 bits of ``reference.v4_log_warp(y) * 2**-112`` for fp32 ``2**-14 <= y <= 1``, bit for bit: the
     mantissa ``f`` replaced by that of ``fma(f, fma(f, fma(f, C, B), A), 1)`` (``tl.fma``: one rounding each, as the
-    reference's), the exponent field moved down by 112 as an integer.
+    reference's), the exponent field moved down by 112 as an integer; for smaller ``y >= 0`` bits that give code 0 or
+    1, as the reference's subnormal product does.
 
     ``one_f32``: the bits of 1.0 (0x3F800000, uint32) in a register the compiler cannot see as a constant (as ``one``
     in :func:`quant_m`), so that the mantissa is masked and given 1.0's exponent in one LOP3. The warp's result,
@@ -274,14 +273,16 @@ def v4_warp_scaled_bits(y, one_f32):
     (``w = 2`` included: the exponent goes up by one, as the reference's integer sum carries into it): exact for
     ``y >= 2**-14``, whose product is normal. For ``2**-15 <= y < 2**-14`` the bits are ``w``'s mantissa alone (the
     exponent field 0), a code of 0 or 1 after the random offset, where the reference's product is a subnormal and
-    its code 0 or 1 too; either way :func:`quant_mv4` then gives every nonzero ``v`` code 1, and a zero ``v``
-    (clamped up to ``y = 2**-15``, ``w = 1``, mantissa 0) code 0. Smaller ``y`` would borrow from the exponent: the
-    caller clamps at 2**-15.
+    its code 0 or 1 too; either way :func:`quant_mv4` then gives every nonzero ``v`` code 1. Below ``2**-15`` (0 and
+    fp32 subnormals included) the integer sum would borrow from the exponent; it is negative then, and an integer
+    maximum with 0 makes it code 0 (one instruction, where clamping ``y`` at 2**-15 beforehand cost a float minimum
+    and maximum per element that the clamp to [0, 1] otherwise folds away).
     """
     b = f32_bits(y)
     f = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True) - 1.0
     w = tl.fma(f, tl.fma(f, tl.fma(f, V4_LOG_C, V4_LOG_B), V4_LOG_A), 1.0)
-    return (b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)
+    x = ((b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)).to(tl.int32, bitcast=True)
+    return tl.maximum(x, 0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -305,7 +306,7 @@ def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     msb, minv = block_scale(a, mask, not EVEN)
     vsb, vinv = block_scale_f32(v, mask, not EVEN)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
-    yv = tl.minimum(tl.maximum(v * vinv[:, None], V4_Y_MIN), 1.0)
+    yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
     rv = (bits & V4_RAND_MASK) | (one * V4_HALF)
     cv = ((v4_warp_scaled_bits(yv, one * 0x3F800000) >> 1) + rv) >> 22
