@@ -444,8 +444,10 @@ def v4_log_warp(y: torch.Tensor) -> torch.Tensor:
     ``1/sqrt(v)`` inflates ``v``'s average instead (5% too small); unbiased in ``log2(v)`` sits between (2-3% too
     small, ``tests/optim/test_update_scale.py``). Integer work on the bits: the exponent field is kept, the mantissa
     replaced, so it commutes with scaling by powers of two and maps subnormals to subnormals (> 0 stays > 0).
-    The fused form (since 2026-12-05; two roundings fewer than the operation-by-operation form before, the same
-    values but for one in a few million mantissas, by one ulp) is what the kernels compute cheapest.
+    The fused form (since 2026-12-05) is what the kernels compute cheapest; against the operation-by-operation form
+    before it differs in 22% of the 2**23 mantissas, by at most 2 ulps, and stays monotone. (The same cubic expanded
+    in ``1 + f`` would save the kernel the subtraction of 1.0, but its cancellation leaves it non-monotone by up to 3
+    ulps.)
     """
     bits = y.view(torch.int32).to(torch.int64)
     f = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32) - 1.0
