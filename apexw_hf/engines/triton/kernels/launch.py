@@ -83,7 +83,7 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # one-warp 1 x 256 tile is limited by registers: an SM holds at most 32 resident programs, and its 65,536 registers
 # give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state (format version 2,
 # encoding of d9882d7): with bf16 parameters rounded stochastically it takes 71 registers (sm_90, triton 3.6); capped
-# at 64 (no spill) it ran 0.989x / 0.987x the uncapped time on 4 x 8192^2 / Llama-3.2-1B shapes (60: 4 bytes spilled,
+# at 64 (no spill) it ran 0.989x / 0.988x the uncapped time on 4 x 8192^2 / Llama-3.2-1B shapes (60: 4 bytes spilled,
 # slower; 68 and 72 no faster than none). With fp32 parameters it takes 72; capped at 64 (2 bytes spilled) it ran
 # 0.985x / 0.995x / 0.978x the uncapped time on 4 x 8192^2 / 1B / the LoRA set (68, no spill: 1.026x version 1's
 # time on 4 x 8192^2 where 64 ran 1.021x, in a second run).
