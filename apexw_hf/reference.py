@@ -317,7 +317,7 @@ M4_SIGN = 8  # the sign bit of a 4-bit m code
 M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
 M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
 V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
-V4_RAND_BITS = 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
+V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
 M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
 # v4_log_warp
@@ -419,7 +419,7 @@ def v4_rand_offset(bits: torch.Tensor) -> torch.Tensor:
     word (``m`` takes bits 0-5), placed below the code, plus half a unit. Where a bf16 parameter shares the word
     (its rounding takes bits 16-31), the six bits both read are the parameter's least significant: they move its
     rounding probability by at most 2**-10 whatever ``v`` did. One mask of the word in the kernel."""
-    r = (bits >> 6) & 0xFFFF
+    r = (bits >> V4_RAND_SHIFT) & ((1 << V4_RAND_BITS) - 1)
     return (r << (23 - V4_RAND_BITS)) | (1 << (22 - V4_RAND_BITS))
 
 

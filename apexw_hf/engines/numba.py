@@ -111,7 +111,7 @@ M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
 # 4-bit (format version 2): m's random bits are the word's bits 0-5 (to 17-22, half a unit at 16), v's 16 are its bits
 # 6-21 (to 7-22: the masked word shifted left by one, half a unit at 6)
 M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
-V4_RMASK, S1 = u32(0xFFFF << 6), u32(1)
+V4_RMASK, S1 = u32(((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT), u32(1)
 F32_NAN_BITS = u32(0x7FC00000)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = np.float64(ref.V4_LOG_A), np.float64(ref.V4_LOG_B), np.float64(ref.V4_LOG_C)
 F64_ONE = np.float64(1.0)

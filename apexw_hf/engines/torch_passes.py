@@ -72,7 +72,7 @@ M4_K, V4_K = -8, -7
 M4_OFFSET, V4_OFFSET = 127 - ref.M4_BIAS + M4_K, 127 - ref.BIAS + V4_K  # 112, 105: exponent field of code 0
 # m: the word's bits 0-5 to 17-22; v (16 random bits, reference.v4_rand_offset): bits 6-21 to 7-22
 M4_RAND_UP = 23 - ref.M_RAND_BITS - ref.M4_RAND_SHIFT  # 17
-V4_RAND_UP = 23 - ref.V4_RAND_BITS - 6  # 1
+V4_RAND_UP = 23 - ref.V4_RAND_BITS - ref.V4_RAND_SHIFT  # 1
 M4_RAND_MASK, V4_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << 17, ((1 << ref.V4_RAND_BITS) - 1) << 7
 M4_RAND_HALF, V4_RAND_HALF = 1 << 16, 1 << 6
 M4_SIGN_ALPHA = -8  # 127 * -8 = 8 (mod 256): the bits of 1.0 times this set the sign bit of the m code

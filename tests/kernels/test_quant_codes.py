@@ -276,12 +276,15 @@ def test_decode_every_code(moment, words):
 
 MANT4 = {"m": 0, "v": 0}
 # the word's bits that round a 4-bit m (0-5) and v (6-21)
-WORD_MASK4 = {"m": ((1 << ref.M_RAND_BITS) - 1) << ref.M4_RAND_SHIFT, "v": 0xFFFF << 6}
+WORD_MASK4 = {
+    "m": ((1 << ref.M_RAND_BITS) - 1) << ref.M4_RAND_SHIFT,
+    "v": ((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT,
+}
 
 
 def _v4_word(r: int) -> int:
     """The word whose bits round a 4-bit v with the 16-bit random value ``r`` (``reference.v4_rand_offset``)."""
-    return r << 6
+    return r << ref.V4_RAND_SHIFT
 
 
 def _words4(n: int, kind: str, moment: str) -> torch.Tensor:
@@ -443,7 +446,7 @@ def test_4bit_rounding_thresholds(moment):
     """For each code step and several random values ``r``: the value whose dropped bits plus the offset reach the next
     code exactly, and its neighbours one ulp either side (the word carries exactly those random bits); in the normal
     range and below the subnormal boundary (there in units of the ulp of ``y + boundary``)."""
-    shift, nbits = (ref.M4_RAND_SHIFT, ref.M_RAND_BITS) if moment == "m" else (6, ref.V4_RAND_BITS)
+    shift, nbits = (ref.M4_RAND_SHIFT, ref.M_RAND_BITS) if moment == "m" else (ref.V4_RAND_SHIFT, ref.V4_RAND_BITS)
     ys, ws = [], []
     base = _code_values4(moment)[1 : CODE_MAX4[moment]]  # normal codes below 1.0
     ulp = 2.0 ** (1 - BIAS4[moment]) * 2.0**-23

@@ -61,19 +61,17 @@ def loss_of(model, step):
 
 
 def train_from(model, opt, step):
-    """One training step on the batch of step ``step`` (as ``train``'s step ``step``)."""
+    """One training step on the batch of step ``step``; with release, no gradient may outlive the backward pass."""
     loss_of(model, step).backward()
+    if opt.gradient_release:
+        assert all(p.grad is None for p in model.parameters()), "a gradient outlived its backward pass"
     opt.step()
     opt.zero_grad()
 
 
 def train(model, opt, steps, sched=None):
     for t in range(steps):
-        loss_of(model, t).backward()
-        if opt.gradient_release:
-            assert all(p.grad is None for p in model.parameters()), "a gradient outlived its backward pass"
-        opt.step()
-        opt.zero_grad()
+        train_from(model, opt, t)
         if sched is not None:
             sched.step()
 

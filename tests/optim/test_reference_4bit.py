@@ -289,7 +289,7 @@ def test_v_keeps_decaying_when_another_element_holds_the_block_maximum(beta2):
     n, steps = 64 * ref.BLOCK4, 1000
     b = _beta2_f32(beta2)
     # the codec reads bits 6-21: every 16-bit pattern there
-    words = torch.arange(1 << 16, dtype=torch.int64) << 6
+    words = torch.arange(1 << 16, dtype=torch.int64) << ref.V4_RAND_SHIFT
     p = (_code_v(torch.full((1 << 16,), b * 2.0**-3), words) == 11).double().mean().item()
     assert abs(p + math.log2(b)) < 0.01 * -math.log2(b) + 2.0**-16  # to the resolution of 16 random bits
     v = torch.full((n,), 2.0**-3)
