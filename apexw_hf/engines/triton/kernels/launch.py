@@ -87,7 +87,9 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # slower; 68 and 72 no faster than none). With fp32 parameters it takes 72; capped at 64 (2 bytes spilled) it ran
 # 0.985x / 0.995x / 0.978x the uncapped time on 4 x 8192^2 / 1B / the LoRA set (68, no spill: 1.026x version 1's
 # time on 4 x 8192^2 where 64 ran 1.021x, in a second run).
-# H100, scripts/four_bit_tiles.py at d9882d7, 7 interleaved rounds (docs/results/four_bit_v2/tiles_h100_d9882d7).
+# H100, scripts/four_bit_tiles.py at d9882d7, 7 interleaved rounds (docs/results/four_bit_v2/tiles_h100_d9882d7);
+# at 6aa268f (the integer maximum of 03097b8) cap 64 ran 0.98-0.99x the uncapped time with bf16, cap 68 slower
+# than 64 (tiles_h100_6aa268f).
 # A cap changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with
 # caps).
 MAX_REGISTERS = {
