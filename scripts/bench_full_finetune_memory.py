@@ -394,8 +394,13 @@ def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str
     events = prof.key_averages()
     from torch.autograd import DeviceType
 
-    # kernels only (an operator's row repeats the time of the kernels it launched)
-    device_us = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / steps
+    # kernels only (an operator's row repeats the time of the kernels it launched; the "ProfilerStep#N" rows are the
+    # steps' own GPU-side annotations, spanning them whole, and would count the step's time once more)
+    device_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")
+    ) / steps
     lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
              f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
     lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
