@@ -8,8 +8,8 @@
 #    `mkdir -p runs/v1_4bit && git archive a329abf apexw_hf scripts | tar -x -C runs/v1_4bit`, carried to the device),
 #    version 1's 4-bit step right
 #    after, for issue 27's speed target (version 2's kernel time within 1.05x of version 1's);
-# 3. tiles and register caps of the 4-bit kernel (scripts/four_bit_tiles.py, TILE_VARIANTS, default 1x1,1x1@72,1x1@64)
-#    timed interleaved in one process, with a bit check of each against the default plan; with V1_DIR, version 1's
+# 3. tiles and register caps of the 4-bit kernel (scripts/four_bit_tiles.py, TILE_VARIANTS, default 1x1,1x1@64,1x1@68:
+#    uncapped, the shipped cap and the next one up) timed interleaved in one process, with a bit check of each against the default plan; with V1_DIR, version 1's
 #    kernel is timed beside them in the same process.
 # Run from the repository root:  bash scripts/gpu_four_bit_v2_check.sh "$OUT"   (V1_DIR=runs/v1_4bit to add v1)
 # Results: $OUT/gpu.txt, $OUT/kernel_tests.log, $OUT/gpu_marked_tests.log, $OUT/step_4bit_v2.json (+ .log),
@@ -46,5 +46,5 @@ if [ -n "${V1_DIR:-}" ]; then
     apexw_4bit_triton --out "$out/step_4bit_v1.json") 2>&1 | tee "$out/step_4bit_v1.log" | tail -40
 fi
 # shellcheck disable=SC2086
-timeout "${TILES_SECONDS:-150}" python3 scripts/four_bit_tiles.py --variants "${TILE_VARIANTS:-1x1,1x1@72,1x1@64}" \
+timeout "${TILES_SECONDS:-150}" python3 scripts/four_bit_tiles.py --variants "${TILE_VARIANTS:-1x1,1x1@64,1x1@68}" \
   ${V1_DIR:+--v1 "$V1_DIR"} --out "$out/tiles.json" 2>&1 | tee "$out/tiles.log" | tail -24
