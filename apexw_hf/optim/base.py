@@ -369,7 +369,12 @@ class ApexW(torch.optim.Optimizer):
             raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
         return slot
 
-    def _step_params(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
+    def _step_params(self, group: dict, params: list, grads: list, bucket: object = None, before_launch=None) -> None:
+        """Step ``params`` of ``group`` with ``grads``. ``before_launch``: the Triton engine's hook (gradient
+        release's bucket norm; see ``TritonEngine.step_group``), only for a group on one device."""
+        if before_launch is not None:
+            engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch)
+            return
         if not self._spans_devices(group):
             engines.engine_for(self, group, params).step_group(group, params, grads, bucket)
             return

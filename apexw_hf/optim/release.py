@@ -36,10 +36,12 @@ The first step uses ``N = max(sqrt(S), previous norm)``, and so does a step from
 previous step's bucket at that place (a parameter with a gradient in one step and none in the other, as an unused
 expert of a mixture of experts; a model split over devices, whose devices' backward threads may complete buckets in
 another order). After a checkpoint is loaded the first step assumes the saved step's buckets.
-Per bucket this is the per-tensor norms (one fused operation), then one small kernel launch on a GPU that adds their
-squares to the step's running sums and computes the coefficient (``engines.triton.kernels.release_norm``; the same
-arithmetic as PyTorch operations, :func:`release_norm_torch`, elsewhere), then one fused multiply: on a small model the
-GPU waits for this host time, so it is kept to a few launches.
+Per bucket on a GPU with the Triton engine this is two small kernel launches (``engines.triton.kernels.release_norm``):
+one sums the squared gradient elements, read through the address table of the bucket's AdamW launch, the other adds
+that to the step's running sums and computes the coefficient; then one fused multiply. Elsewhere (the PyTorch engine,
+FSDP2's DTensor gradients, a group over several devices) the per-tensor norms (one fused operation) replace the first
+launch, and on the CPU PyTorch operations (:func:`release_norm_torch`) the second. On a small model the GPU waits for
+this host time, so it is kept to a few launches.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
 partial sums (a resumed run clips exactly as an unbroken one). They are saved twice: under the state dict's
@@ -79,6 +81,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import engines
 from . import dtensor as dt
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: the default limit at the start of a backward pass (64 MiB of bf16)
@@ -290,18 +293,28 @@ class GradientRelease:
         params = list(map(_PARAM, entries))
         grads = list(map(_GRAD, params))
         key = tuple(map(id, params))
-        coefs = self._account(grads, key)  # the norm is always recorded (the Trainer logs it as grad_norm)
-        if coefs is not None:
-            _scale_([dt.local(g) for g in grads] if dt.is_dtensor(grads[0]) else grads, coefs)
         first, last = entries[0][0][0], entries[-1][0][0]
-        if first == last:  # a bucket inside backward: one param group
-            opt._step_params(opt.param_groups[first], params, grads, bucket=key)
+        sumsq = _plan_sumsq(opt, opt.param_groups[first], params, grads) if first == last else None
+        if sumsq is not None:
+            # the norm from the address tables of the bucket's launch plans, once the engine has set them
+            def before_launch(plans: list) -> None:
+                coefs = self._account_parts(sumsq(plans), True, grads[0].dtype, key)
+                if coefs is not None:
+                    _scale_(grads, coefs)
+
+            opt._step_params(opt.param_groups[first], params, grads, bucket=key, before_launch=before_launch)
         else:
-            start = 0
-            for gi, run in itertools.groupby(slot[0] for slot, _ in entries):
-                end = start + sum(1 for _ in run)
-                opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
-                start = end
+            coefs = self._account(grads, key)  # the norm is always recorded (the Trainer logs it as grad_norm)
+            if coefs is not None:
+                _scale_([dt.local(g) for g in grads] if dt.is_dtensor(grads[0]) else grads, coefs)
+            if first == last:  # a bucket inside backward: one param group
+                opt._step_params(opt.param_groups[first], params, grads, bucket=key)
+            else:
+                start = 0
+                for gi, run in itertools.groupby(slot[0] for slot, _ in entries):
+                    end = start + sum(1 for _ in run)
+                    opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
+                    start = end
         for p in params:
             p.grad = None
         self._stepped.update(key)
@@ -310,9 +323,16 @@ class GradientRelease:
 
     def _account(self, grads: list[torch.Tensor], key: tuple) -> dict[torch.dtype, torch.Tensor] | None:
         """Add this bucket's squared norm to the step's; its clip coefficient by gradient dtype (None without
-        clipping). One kernel launch on a GPU (:mod:`..engines.triton.kernels.release_norm`), else PyTorch
-        operations (:func:`release_norm_torch`)."""
+        clipping), from the per-tensor norms (:func:`_norm_parts`)."""
         parts, squared = _norm_parts(grads)
+        return self._account_parts(parts, squared, dt.local(grads[0]).dtype, key)
+
+    def _account_parts(
+        self, parts: torch.Tensor, squared: bool, lo: torch.dtype, key: tuple
+    ) -> dict[torch.dtype, torch.Tensor] | None:
+        """``_account`` of a bucket whose norms are ``parts`` (fp32 norms, or sums of squares where ``squared``) and
+        whose first gradient has dtype ``lo``. One kernel launch on a GPU
+        (:mod:`..engines.triton.kernels.release_norm`), else PyTorch operations (:func:`release_norm_torch`)."""
         k = self._k
         if self._cum is None or (k == 0 and self._cum.device != parts.device):
             self._cum = torch.empty(max(64, 2 * self._prev_k), dtype=torch.float32, device=parts.device)
@@ -336,7 +356,6 @@ class GradientRelease:
             if self._prev_norm is None or self._prev_norm.device != device:
                 self._prev_norm = _on(self.grad_norm, device).reshape(1)
             prev_norm = self._prev_norm
-        lo = dt.local(grads[0]).dtype
         coef = self._coef.get((device, lo))
         if coef is None:
             c32 = torch.empty(1, dtype=torch.float32, device=device)
@@ -554,6 +573,32 @@ def release_norm_torch(
 
 
 _CUDA_NORM: list[Callable] = []  # the bucket norm for CUDA gradients, chosen at first use
+_CUDA_SUMSQ: list[Callable | None] = []  # the sum of squares over launch plans for CUDA gradients, or None
+
+
+def _plan_sumsq(opt, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable | None:
+    """The sum-of-squares launch over the Triton engine's launch plans
+    (``engines.triton.kernels.release_norm.grad_sumsq_``) for a bucket of ``group`` that the Triton engine steps on
+    one GPU with plain (not DTensor) gradients; None otherwise (the per-tensor norms then)."""
+    g = grads[0]
+    if dt.is_dtensor(g) or not engines.uses_triton(group["engine"], params) or opt._spans_devices(group):
+        return None
+    return _sumsq_impl(g.device)
+
+
+def _sumsq_impl(device: torch.device) -> Callable | None:
+    """``grad_sumsq_`` for CUDA gradients where the Triton kernels run (not under the interpreter, which runs them on
+    CPU tensors only); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    if not _CUDA_SUMSQ:
+        try:
+            kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
+        except ImportError:
+            _CUDA_SUMSQ.append(None)
+        else:
+            _CUDA_SUMSQ.append(None if kernel.INTERPRETED else kernel.grad_sumsq_)
+    return _CUDA_SUMSQ[0]
 
 
 def _norm_impl(device: torch.device) -> Callable:

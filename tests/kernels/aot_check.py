@@ -1,5 +1,5 @@
-"""Compile every specialization of the AdamW kernel (and of gradient release's norm kernel) for a GPU target on the
-CPU and check the PTX.
+"""Compile every specialization of the AdamW kernel (and of gradient release's two norm kernels) for a GPU target on
+the CPU and check the PTX.
 
 Run as a script (without TRITON_INTERPRET): ``python tests/kernels/aot_check.py 75``. Prints one line per
 specialization and exits non-zero if any PTX holds a hardware bf16 conversion (``cvt.rn.bf16``, absent before
@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from apexw_hf.engines.triton.kernels.adamw import _adamw_kernel
-from apexw_hf.engines.triton.kernels.release_norm import BLOCK, _release_norm_kernel
+from apexw_hf.engines.triton.kernels.release_norm import BLOCK, SUMSQ_GROUP, _grad_sumsq_kernel, _release_norm_kernel
 
 SIGNATURE = {
     "cstart_ptr": "*i32",
@@ -129,8 +129,36 @@ def release_norm_specializations():
         yield signature, spec
 
 
+def grad_sumsq_specializations():
+    """(signature, constexprs, warps) of the release's sum-of-squares kernel: each gradient dtype, the tiles of
+    launch.LAUNCH_CONFIG (1 x 256 and 4 x 256), aligned or not."""
+    signature = {
+        "cstart_ptr": "*i32",
+        "gfirst_ptr": "*i32",
+        "addr_ptr": "*i64",
+        "numel_ptr": "*i64",
+        "num_work": "i32",
+        "num_tensors": "i32",
+        "out_ptr": "*fp32",
+    }
+    for g, rows, aligned in itertools.product(("fp32", "bf16", "fp16"), (1, 4), (True, False)):
+        yield signature, dict(G_DTYPE=DTYPES[g], ROWS=rows, ALIGNED=aligned, GROUP=SUMSQ_GROUP), rows
+
+
 def main(cc: int) -> int:
     failures = 0
+    for signature, spec, warps in grad_sumsq_specializations():
+        t0 = time.time()
+        src = triton.compiler.ASTSource(
+            fn=_grad_sumsq_kernel, signature={**signature, **{k: "constexpr" for k in spec}}, constexprs=spec
+        )
+        k = triton.compile(
+            src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
+        )
+        bad = [b for b in BAD if re.search(b, k.asm["ptx"], re.M)] + fma_problems(k.asm["ptx"], 0)
+        failures += bool(bad)
+        name = f"grad_sumsq g={spec['G_DTYPE']} rows={spec['ROWS']} aligned={spec['ALIGNED']}"
+        print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
     for signature, spec in release_norm_specializations():
         t0 = time.time()
         src = triton.compiler.ASTSource(

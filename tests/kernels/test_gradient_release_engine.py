@@ -58,3 +58,54 @@ def test_release_with_clipping_through_the_norm_kernel(fmt, monkeypatch):
     for p, q in zip(a.parameters(), b.parameters()):
         # the per-tensor norms are summed in a different order (a tree in the kernel): equal up to rounding
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt", ["compact", "4bit"])
+def test_release_norm_through_the_launch_plans(fmt, monkeypatch):
+    """The GPU path of a bucket's norm (forced on CPU under the interpreter): the sum of squares read through the
+    bucket's launch plans, then the norm kernel. Without clipping the parameters are those of step(); with clipping
+    the norms, partial sums and parameters are those of the per-tensor norms up to rounding."""
+    from apexw_hf.engines.triton.kernels.release_norm import grad_sumsq_, release_norm_
+    from apexw_hf.optim import release
+
+    calls = []
+
+    def counted(plans):
+        calls.append(len(plans))
+        return grad_sumsq_(plans)
+
+    monkeypatch.setattr(release, "_norm_impl", lambda device: release_norm_)
+    plain = make().to(DEVICE)
+    train(plain, ApexW(groups(plain), lr=2e-2, state_format=fmt, engine="triton"), 3)
+    runs = []
+    for impl in (None, counted):
+        monkeypatch.setattr(release, "_sumsq_impl", lambda device, impl=impl: impl)
+        for clip in (None, 0.05):
+            model = make().to(DEVICE)
+            opt = ApexW(
+                groups(model),
+                lr=2e-2,
+                state_format=fmt,
+                engine="triton",
+                gradient_release=True,
+                max_grad_norm=clip,
+                release_bucket_size=700,
+            )
+            train(model, opt, 3)
+            runs.append((model, opt))
+    (a, oa), (ac, oac), (b, ob), (bc, obc) = runs
+    # every bucket inside backward took the plans (one plan each: one dtype), the end-of-backward flush of both groups
+    # the per-tensor norms
+    assert len(calls) == 2 * 3 * (ob._release.flushes // 3 - 1) and set(calls) == {1}
+    for p, q, r in zip(plain.parameters(), a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r)
+    torch.testing.assert_close(oa.grad_norm, ob.grad_norm, rtol=1e-6, atol=0)
+    assert oac.grad_norm.item() > 0.05  # clipping acted
+    torch.testing.assert_close(oac.grad_norm, obc.grad_norm, rtol=1e-6, atol=0)
+    sa, sb = oac.state_dict()["gradient_release"], obc.state_dict()["gradient_release"]
+    assert len(sa["prev_partial_sumsq"]) == len(sb["prev_partial_sumsq"]) > 2
+    torch.testing.assert_close(
+        torch.tensor(sa["prev_partial_sumsq"]), torch.tensor(sb["prev_partial_sumsq"]), rtol=1e-6, atol=0
+    )
+    for p, q in zip(ac.parameters(), bc.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

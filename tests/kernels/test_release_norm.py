@@ -86,3 +86,55 @@ def test_random_norms_agree_to_rounding():
     want = run(release_norm_torch, parts, False, 2, [5.0, 100.0, 900.0], 40.0, 1.0, torch.bfloat16)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-6, atol=0)
+
+
+def plan_of(grads, fmt="4bit", steps=None):
+    """A launch plan over parameters shaped like ``grads``, its gradient addresses set (0 for the tensors whose entry
+    of ``steps`` is False: not stepping now)."""
+    from apexw_hf.engines.triton.kernels import LaunchPlan
+    from apexw_hf.optim.state import init_state
+
+    params = [torch.zeros_like(g, dtype=torch.bfloat16) for g in grads]
+    states = [init_state(p, fmt) for p in params]
+    plan = LaunchPlan(params, states, fmt, list(range(len(params))), 0, grads[0].dtype)
+    steps = steps or [True] * len(grads)
+    plan.set_grad_ptrs([g.data_ptr() if on else 0 for g, on in zip(grads, steps)])
+    return plan
+
+
+@pytest.mark.parametrize("fmt", ["4bit", "compact"])  # chunks of 256 / 1,024 elements
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_grad_sumsq_is_the_sum_of_squares_of_the_stepping_gradients(dtype, fmt):
+    from apexw_hf.engines.triton.kernels.release_norm import SUMSQ_GROUP, grad_sumsq_
+
+    g = torch.Generator().manual_seed(1)
+    # small integers: every square and partial sum is exact in fp32, so any order of summation gives the same bits;
+    # sizes around the chunk and around SUMSQ_GROUP chunks, an empty tensor, one tensor not stepping
+    sizes = [1, 255, 257, 0, 256 * SUMSQ_GROUP + 3, 4097, 1024 * SUMSQ_GROUP * 2 + 1, 70]
+    grads = [torch.randint(-7, 8, (n,), generator=g).to(dtype).to(DEVICE) for n in sizes]
+    steps = [i != 6 for i in range(len(sizes))]
+    plan = plan_of(grads, fmt, steps)
+    parts = grad_sumsq_([plan])
+    assert parts.dtype == torch.float32 and parts.numel() == -(-plan.num_work // SUMSQ_GROUP)
+    want = sum(float(x.double().square().sum()) for x, on in zip(grads, steps) if on)
+    assert parts.sum().item() == want
+    # the buffer is the plan's, written again by its next launch (the gradients at the same addresses)
+    before = float(grads[0].double().square().sum())
+    grads[0].fill_(3.0)
+    again = grad_sumsq_([plan])
+    assert again.data_ptr() == parts.data_ptr() and again.sum().item() == want - before + 9.0
+
+
+def test_grad_sumsq_of_several_plans_and_nonfinite_values():
+    from apexw_hf.engines.triton.kernels.release_norm import grad_sumsq_
+
+    g = torch.Generator().manual_seed(2)
+    a = [torch.randn(n, generator=g).to(DEVICE) for n in (300, 5000)]
+    b = [torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE) for n in (1, 700)]
+    parts = grad_sumsq_([plan_of(a), plan_of(b)])
+    want = sum(x.double().square().sum() for x in a + b).item()
+    assert parts.sum().item() == pytest.approx(want, rel=1e-6)
+    b[1][5] = INF
+    assert grad_sumsq_([plan_of(a), plan_of(b)]).sum().item() == INF
+    a[0][7] = NAN
+    assert math.isnan(grad_sumsq_([plan_of(a), plan_of(b)]).sum().item())

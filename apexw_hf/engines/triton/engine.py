@@ -36,6 +36,7 @@ No host-device synchronization happens in a step.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -218,13 +219,20 @@ class TritonEngine:
         return dtypes
 
     def step_group(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bucket: object = None,
+        before_launch: Callable[[list], None] | None = None,
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
         ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``bucket``: a
         hashable name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps
-        its own launch plan, so one launch covers exactly its tensors.
+        its own launch plan, so one launch covers exactly its tensors. ``before_launch(plans)`` is called with the
+        launch plans once their gradient addresses are set, before their launches (gradient release computes the
+        bucket's norm from their address tables and clips the gradients in place there).
         """
         if not params:
             return
@@ -302,6 +310,9 @@ class TritonEngine:
                     [k.step_size if k else 0.0 for k in known],
                     [k.inv_bc2_sqrt if k else 0.0 for k in known],
                 )
+        if before_launch is not None:
+            before_launch([entry[0] for entry in cache.plans])
+        for plan, _, _ in cache.plans:
             plan.launch(
                 step=lo,
                 scalars=scalars,

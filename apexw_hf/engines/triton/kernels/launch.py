@@ -223,6 +223,7 @@ class LaunchPlan:
         self.tstep = torch.zeros(3, n, dtype=torch.int32, device=dev)
         self._grad_ptrs: list[int] | None = None
         self._compiled: dict = {}  # specialization -> Triton's compiled kernel (see launch)
+        self.sumsq_parts: torch.Tensor | None = None  # gradient release's partial sums of squares (release_norm)
 
     def set_grad_ptrs(self, ptrs: list[int]) -> None:
         """Gradient addresses in plan order, 0 for a tensor that does not step now. Copied only when they changed."""
