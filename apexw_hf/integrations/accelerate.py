@@ -89,6 +89,8 @@ def patch_accelerator(module=None) -> None:
         optimizers = releasing_optimizers(self)
         if optimizers:
             _check_backward(self, optimizers)
+            for opt in optimizers:
+                opt.before_backward(loss, list(getattr(self, "_models", ())))  # tied_grad_offload's graph search
         return backward(self, loss, **kwargs)
 
     @functools.wraps(clip)

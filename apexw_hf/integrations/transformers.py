@@ -70,6 +70,7 @@ OPTIM_ARGS: dict[str, str] = {
     "maximize": "true|false",
     "gradient_release": "true|false",
     "release_bucket_size": "<int >= 1, gradient elements per launch>",
+    "tied_grad_offload": "true|false",
 }
 _OWNED_BY_TRAINING_ARGS = {
     "lr": "learning_rate",
@@ -105,7 +106,7 @@ def _convert(key: str, raw: str) -> Any:
         if not 0 <= seed < 2**32:
             raise ValueError(f"optim_args: seed={raw!r} is not allowed; seed must be an int in [0, 2**32)")
         return seed
-    if key in ("maximize", "gradient_release"):
+    if key in ("maximize", "gradient_release", "tied_grad_offload"):
         if low in _TRUE:
             return True
         if low in _FALSE:
@@ -290,11 +291,14 @@ def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]
         # (and Accelerate's clip_grad_norm_ returns its pre-clip norm, which the Trainer logs as grad_norm).
         max_norm = getattr(args, "max_grad_norm", None)
         kwargs["max_grad_norm"] = float(max_norm) if max_norm and max_norm > 0 else None
-    elif "release_bucket_size" in kwargs:
-        raise ValueError(
-            f"optim_args for optim={name!r}: release_bucket_size is for gradient release; add gradient_release=true "
-            f"or use optim={name + RELEASE_SUFFIX!r}"
-        )
+    else:
+        for key in ("release_bucket_size", "tied_grad_offload"):
+            if kwargs.get(key):
+                raise ValueError(
+                    f"optim_args for optim={name!r}: {key} is for gradient release; add gradient_release=true or use "
+                    f"optim={name + RELEASE_SUFFIX!r}"
+                )
+        kwargs.pop("tied_grad_offload", None)  # =false
     return _optimizer_class(name), kwargs
 
 

@@ -70,6 +70,12 @@ class ApexW(torch.optim.Optimizer):
             (a sharded parameter counts its global size over its shard count, the same on every rank). ``None``
             (default): 2**25 at the start of each backward pass, growing to 4 x 2**25 by its end, where the
             activations freed by then leave room for it (see :mod:`apexw_hf.optim.release`).
+        tied_grad_offload: with ``gradient_release``, keep the output layer's part of a tied embedding's gradient
+            in pinned host memory until the embedding's part arrives at the end of backward, instead of on the GPU
+            (vocabulary x hidden gradient elements less at the peak of a checkpointed model; two copies over PCIe
+            per step, on a side stream; see :mod:`apexw_hf.optim.tied_offload`). Needs the loss and the model
+            before each ``backward()``: Accelerate and the Trainer pass them, a plain loop calls
+            :meth:`before_backward`.
 
     Example:
         >>> import torch
@@ -99,12 +105,13 @@ class ApexW(torch.optim.Optimizer):
         gradient_release: bool = False,
         max_grad_norm: float | None = None,
         release_bucket_size: int | None = None,
+        tied_grad_offload: bool = False,
     ):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-        self._check_release_args(gradient_release, max_grad_norm, release_bucket_size)
+        self._check_release_args(gradient_release, max_grad_norm, release_bucket_size, tied_grad_offload)
         self._param_index: dict[torch.Tensor, int] = {}
         self._group_index: dict[int, tuple[int, int]] = {}
         self._devices_of: dict[int, tuple[list, bool]] = {}  # id(group["params"]) -> (that list, spans devices)
@@ -125,7 +132,7 @@ class ApexW(torch.optim.Optimizer):
         self._check_hparams(defaults)
         super().__init__(params, defaults)
         if gradient_release:
-            self._release = GradientRelease(self, release_bucket_size, max_grad_norm)
+            self._release = GradientRelease(self, release_bucket_size, max_grad_norm, tied_grad_offload)
             self._release.sync_hooks()
             # torch.amp.GradScaler.step then hands the step to this optimizer (with grad_scale set) instead of
             # unscaling gradients that no longer exist; step() refuses it with a clear error.
@@ -134,9 +141,16 @@ class ApexW(torch.optim.Optimizer):
     # ---- validation ------------------------------------------------------------------------------------------
 
     @staticmethod
-    def _check_release_args(gradient_release, max_grad_norm, bucket_size) -> None:
+    def _check_release_args(gradient_release, max_grad_norm, bucket_size, tied_grad_offload=False) -> None:
         if not isinstance(gradient_release, bool):
             raise TypeError(f"gradient_release must be a bool, got {gradient_release!r}")
+        if not isinstance(tied_grad_offload, bool):
+            raise TypeError(f"tied_grad_offload must be a bool, got {tied_grad_offload!r}")
+        if tied_grad_offload and not gradient_release:
+            raise ValueError(
+                "tied_grad_offload=True is for gradient_release=True (without release the tied weight's gradient is "
+                "summed on the GPU and kept to step() with all the others); set gradient_release=True or drop it"
+            )
         if max_grad_norm is not None:
             norm = _as_float("max_grad_norm", max_grad_norm)
             if not norm > 0.0 or norm == float("inf"):
@@ -333,6 +347,15 @@ class ApexW(torch.optim.Optimizer):
         backward pass has run, else the last step's (a 0-dim fp32 tensor on the parameters' device; reading it does
         not synchronize). ``None`` without release or before the first step."""
         return None if self._release is None else self._release.current_norm()
+
+    def before_backward(self, loss: torch.Tensor, model) -> int:
+        """With ``tied_grad_offload``: call before ``loss.backward()`` in a plain training loop (Accelerate's
+        ``backward``, and so the Trainer, calls it). Finds where ``loss``'s graph first sends a gradient to a tied
+        weight of ``model`` (a module or a list of modules) and hooks it, so that part of the gradient waits in host
+        memory. Returns the number of tied weights hooked; does nothing (0) without ``tied_grad_offload``."""
+        if self._release is None or self._release.offload is None:
+            return 0
+        return self._release.prepare_backward(loss, model)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``. With ``gradient_release``, a backward pass that did not reach

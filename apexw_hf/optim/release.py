@@ -83,6 +83,7 @@ import torch
 
 from .. import engines
 from . import dtensor as dt
+from .tied_offload import PREFETCH_SHARE, TiedGradOffload
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: the default limit at the start of a backward pass (64 MiB of bf16)
 BUCKET_GROWTH = 4  # the default limit at the end of a backward pass, in DEFAULT_BUCKET_SIZE
@@ -126,8 +127,12 @@ class GradientRelease:
     The optimizer is held through a weak reference, so a hook left on a parameter keeps no optimizer alive.
     """
 
-    def __init__(self, optimizer, bucket_size: int | None, max_grad_norm: float | None):
+    def __init__(
+        self, optimizer, bucket_size: int | None, max_grad_norm: float | None, tied_grad_offload: bool = False
+    ):
         self._opt_ref = weakref.ref(optimizer)
+        # the output layer's part of a tied weight's gradient, held in host memory until the rest arrives
+        self.offload = TiedGradOffload() if tied_grad_offload else None
         self.bucket_size = bucket_size  # None: the default limit, growing through each backward pass
         # elements released in this step so far, and in the last finished step (the default limit grows with their
         # ratio); counted as _fill counts them
@@ -225,6 +230,10 @@ class GradientRelease:
         if id(p) in self._stepped:
             p.grad = None  # the second gradient is not applied; the parameter keeps its one update of this step
             raise RuntimeError(_ACCUMULATION_ERROR.format(shape=tuple(p.shape)))
+        if self.offload is not None:
+            part = self.offload.take(p)
+            if part is not None:  # the tied weight's offloaded part: autograd's sum of the two, in place
+                p.grad = part.contiguous() if p.grad is None else p.grad.add_(part)
         if not self._stepped and not self._pending:
             self._check_setup(p)
         slot = self._opt_ref()._group_slot(p)
@@ -235,6 +244,9 @@ class GradientRelease:
         bucket.append((slot, p))
         numel = self._pending_numel.get(gi, 0) + _fill(p)
         self._pending_numel[gi] = numel
+        if self.offload is not None and self._prev_released:
+            if self._released + numel >= PREFETCH_SHARE * self._prev_released:
+                self.offload.prefetch()
         if not self._queued:
             self._queued = True
             _queue_end_of_backward(self._on_backward_end)
@@ -251,7 +263,19 @@ class GradientRelease:
 
     def _on_backward_end(self) -> None:
         self._queued = False
-        self.flush()
+        with self._lock:
+            if self.offload is not None:
+                # a tied weight whose gradient never completed in this pass: its offloaded part alone
+                for p in self.offload.pending():
+                    self._on_grad_ready(p)
+            self._flush(None, None)
+
+    def prepare_backward(self, loss: torch.Tensor, models) -> int:
+        """Before a backward pass (``ApexW.before_backward``): hook the first use of each tied weight of ``models``
+        in the graph of ``loss`` for the offload."""
+        self.sync_hooks()
+        with self._lock:
+            return self.offload.prepare(loss, models, set(self._handles))
 
     @staticmethod
     def _check_setup(p: torch.Tensor) -> None:
@@ -419,6 +443,8 @@ class GradientRelease:
         it already updated keep their update, its running sums are discarded (the last finished step's stay for the
         clipping estimate), and the next backward pass starts a new step. Nothing to do after a finished step."""
         with self._lock:
+            if self.offload is not None:
+                self.offload.drop()
             if not (self._pending or self._stepped or self._k or self._queued):
                 return
             self._pending, self._pending_numel = {}, {}

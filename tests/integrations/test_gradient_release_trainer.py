@@ -87,6 +87,26 @@ def test_release_name_is_bit_identical_to_the_plain_name(tmp_path, checkpointing
     assert [norms_b[s] for s in norms_a] == pytest.approx(list(norms_a.values()), rel=1e-5)
 
 
+def test_tied_grad_offload_through_the_trainer_is_bit_identical(tmp_path, monkeypatch):
+    """optim_args="tied_grad_offload=true": Accelerate's backward hands the loss and the model to the optimizer, the
+    output layer's part of the tied embedding's gradient is offloaded every step (on CPU a copy stands in for the
+    pinned host buffer), and training is bit-identical to the plain name's."""
+    from apexw_hf.optim import tied_offload
+
+    monkeypatch.setattr(tied_offload, "_offloadable", lambda t: t.is_contiguous())
+    kw = dict(max_grad_norm=0, gradient_checkpointing=True)
+    plain = _train(tmp_path / "a", "apexw_8bit", **kw)
+    optim_args = f"engine=torch,release_bucket_size={BUCKET},tied_grad_offload=true"
+    released = _train(tmp_path / "b", "apexw_8bit_release", optim_args=optim_args, **kw)
+    opt = unwrap_optimizer(released.optimizer)
+    assert released.model.config.tie_word_embeddings and opt._release.offload.offloaded == 4
+    a, b = dict(plain.model.named_parameters()), dict(released.model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert _logged(plain, "loss") == _logged(released, "loss")
+    with pytest.raises(ValueError, match="tied_grad_offload is for gradient release"):
+        _train(tmp_path / "c", "apexw_8bit", optim_args="tied_grad_offload=true")
+
+
 def test_release_with_clipping_logs_the_true_grad_norm(tmp_path):
     """max_grad_norm=1.0 (the Trainer's default) reaches the optimizer, which clips in backward; the logged grad_norm
     of each step is the pre-clip global norm of that step's gradients, never 0."""

@@ -638,3 +638,151 @@ def test_bad_released_count_in_a_state_dict_is_refused_and_changes_nothing():
         after = opt.state_dict()
         for i, entry in before_sd["state"].items():
             assert all(torch.equal(v, after["state"][i][k]) for k, v in entry.items())
+
+
+# ---- tied_grad_offload -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def offload_on_cpu(monkeypatch):
+    """The offload path on CPU tensors (a copy in place of the pinned host buffer, no streams): on a GPU only CUDA
+    gradients take it."""
+    from apexw_hf.optim import tied_offload
+
+    monkeypatch.setattr(tied_offload, "_offloadable", lambda t: t.is_contiguous())
+    calls = []
+    prefetch = tied_offload.TiedGradOffload.prefetch
+
+    def counted(self):
+        calls.append(len(self._parts))
+        prefetch(self)
+
+    monkeypatch.setattr(tied_offload.TiedGradOffload, "prefetch", counted)
+    return calls
+
+
+class HeadOnlyLM(TinyLM):
+    """TinyLM whose inputs skip the embedding: the tied weight gets the output layer's gradient alone."""
+
+    def forward(self, x):
+        h = torch.nn.functional.one_hot(x, self.emb.weight.shape[0]).to(self.frozen.dtype)[..., : self.frozen.numel()]
+        for block in self.blocks:
+            h = h + block(h + self.frozen)
+        return self.head(self.norm(h))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+@pytest.mark.parametrize("cls", [TinyLM, HeadOnlyLM], ids=["tied", "head_only"])
+def test_tied_grad_offload_is_bit_identical_to_step(fmt, checkpoint, cls, offload_on_cpu):
+    """The output layer's part of the tied weight's gradient leaves autograd at the start of backward and comes back
+    when the embedding's part has arrived (or, without one, at the end of backward): the same bits as ordinary steps,
+    with bf16 gradients too (whose sum rounds)."""
+    torch.manual_seed(0)
+    a, b = cls(checkpoint=checkpoint), cls(checkpoint=checkpoint)
+    b.load_state_dict(a.state_dict())
+    oa = ApexW(groups(a), lr=2e-2, state_format=fmt)
+    ob = ApexW(
+        groups(b), lr=2e-2, state_format=fmt, gradient_release=True, tied_grad_offload=True, release_bucket_size=700
+    )
+    for t in range(3):
+        train_from(a, oa, t)
+        loss = loss_of(b, t)
+        assert ob.before_backward(loss, b) == 1
+        loss.backward()
+        assert all(p.grad is None for p in b.parameters()) and not ob._release.offload.pending()
+        ob.step()
+        ob.zero_grad()
+    assert ob._release.offload.offloaded == 3
+    # from the second step on, the copy back starts in backward before the tied weight's gradient is complete
+    assert offload_on_cpu and max(offload_on_cpu) == 1
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_tied_grad_offload_in_bf16_sums_as_autograd_does(offload_on_cpu):
+    a, b = make(dtype=torch.bfloat16), make(dtype=torch.bfloat16)
+    oa = ApexW(groups(a), lr=2e-2, state_format="4bit")
+    ob = ApexW(groups(b), lr=2e-2, state_format="4bit", gradient_release=True, tied_grad_offload=True)
+    for t in range(2):
+        train_from(a, oa, t)
+        loss = loss_of(b, t)
+        assert ob.before_backward(loss, [b]) == 1
+        loss.backward()
+        ob.step()
+        ob.zero_grad()
+    assert ob._release.offload.offloaded == 2
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_tied_grad_offload_leaves_untied_weights_and_other_settings_alone(offload_on_cpu):
+    model = make()
+    model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())  # untied
+    opt = ApexW(groups(model), lr=2e-2, gradient_release=True, tied_grad_offload=True)
+    assert opt.before_backward(loss_of(model, 0), model) == 0
+    plain = ApexW(groups(make()), lr=2e-2, gradient_release=True)
+    assert plain.before_backward(loss_of(model, 0), model) == 0  # without the option: nothing to do
+    with pytest.raises(ValueError, match="tied_grad_offload=True is for gradient_release=True"):
+        ApexW(groups(make()), tied_grad_offload=True)
+    with pytest.raises(TypeError, match="tied_grad_offload must be a bool"):
+        ApexW(groups(make()), gradient_release=True, tied_grad_offload="yes")
+
+
+def test_tied_grad_offload_part_is_dropped_with_a_step_given_up(offload_on_cpu):
+    """A backward pass that raises after the part was offloaded: zero_grad gives up the step and its part; the next
+    step trains as an unbroken run from there would."""
+    a, b = make(), make()
+    oa = ApexW(groups(a), lr=2e-2)
+    ob = ApexW(groups(b), lr=2e-2, gradient_release=True, tied_grad_offload=True)
+    boom = b.blocks[1].register_full_backward_hook(lambda *args: (_ for _ in ()).throw(RuntimeError("boom")))
+    loss = loss_of(b, 0)
+    ob.before_backward(loss, b)
+    with pytest.raises(RuntimeError, match="boom"):
+        loss.backward()
+    boom.remove()
+    assert ob._release.offload.pending()
+    ob.zero_grad()
+    assert not ob._release.offload.pending()
+    # the failed pass updated nothing yet here (its first bucket had not filled): both now train alike
+    for t in range(2):
+        train_from(a, oa, t)
+        loss = loss_of(b, t)
+        ob.before_backward(loss, b)
+        loss.backward()
+        ob.step()
+        ob.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+@pytest.mark.parametrize("cls", [TinyLM, HeadOnlyLM], ids=["tied", "head_only"])
+def test_tied_grad_offload_on_cuda_is_bit_identical(fmt, cls):
+    """The real path: pinned host buffer, side-stream copies out and back, bf16 gradients on the Triton engine."""
+    torch.manual_seed(0)
+    a, b = cls(dtype=torch.bfloat16).cuda(), cls(dtype=torch.bfloat16).cuda()
+    b.load_state_dict(a.state_dict())
+    oa = ApexW(groups(a), lr=2e-2, state_format=fmt, engine="triton")
+    ob = ApexW(
+        groups(b),
+        lr=2e-2,
+        state_format=fmt,
+        engine="triton",
+        gradient_release=True,
+        tied_grad_offload=True,
+        release_bucket_size=700,
+        max_grad_norm=None,
+    )
+    for t in range(4):
+        train_from(a, oa, t)
+        loss = loss_of(b, t)
+        assert ob.before_backward(loss, b) == 1
+        loss.backward()
+        ob.step()
+        ob.zero_grad()
+    offload = ob._release.offload
+    assert offload.offloaded == 4 and offload._host[id(b.emb.weight)].is_pinned()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)

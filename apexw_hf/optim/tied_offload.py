@@ -1,0 +1,196 @@
+"""Tied gradient offload for gradient release: the output layer's share of a tied embedding's gradient waits in host
+memory instead of on the GPU.
+
+A model whose input embedding and output layer share one weight (Llama-3.2-1B and -3B) gets that weight's gradient in
+two parts: the output layer's at the start of the backward pass, the embedding's at its end. Gradient release updates
+the weight once, with their sum, so autograd keeps the first part (vocabulary x hidden in the gradients' dtype: 0.73
+GiB for Llama-3.2-3B in bf16) on the GPU through the whole backward pass, and with a checkpointed model that is where
+the peak comes: every checkpointed layer input is still alive then, and one layer is recomputed.
+
+With ``tied_grad_offload=True`` the backward node that sends the first part to the weight (found by a short search of
+the autograd graph from the loss, before ``backward()``) gets a hook that copies that part into a pinned host buffer on
+a side stream and gives autograd no gradient for that input instead, so its GPU memory is free once the copy is done.
+Halfway through the backward pass (by the share of the last step's gradient elements released so far) the part is
+copied back on the side stream, where the activations freed by then leave room; when the weight's gradient is complete
+(the embedding's part, accumulated by autograd) the part is added to it in place. bf16 addition of two numbers is
+commutative, so the sum has the bits autograd's own sum of the two parts has, and the update is the same (tested).
+If the weight gets no other gradient in a backward pass, the part alone is its gradient, at the end of the pass.
+
+Only parameters registered under two names of the model (``named_parameters(remove_duplicate=False)``) are offloaded,
+and only contiguous CUDA gradients of plain tensors (not FSDP2's DTensor shards). The search needs the loss and the
+model before ``backward()``: Accelerate's ``backward`` (so the Trainer) passes them; a plain loop calls
+``optimizer.before_backward(loss, model)``.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+
+import torch
+
+from . import dtensor as dt
+
+PREFETCH_SHARE = 0.5  # the copy back starts once this share of the last step's gradient elements is released
+SEARCH_NODES = 256  # autograd nodes searched from the loss for the first use of a tied weight
+
+
+def _offloadable(t: torch.Tensor) -> bool:
+    """Whether a gradient part (or a parameter's) of this device is offloaded: CUDA only (tests let CPU tensors take
+    the same path, with a copy in place of the host buffer)."""
+    return t.is_cuda and t.is_contiguous()
+
+
+def tied_parameters(models) -> list[torch.Tensor]:
+    """The parameters registered under more than one name in ``models`` (a module or several): tied weights."""
+    if isinstance(models, torch.nn.Module):
+        models = [models]
+    seen: dict[int, int] = {}
+    params: dict[int, torch.Tensor] = {}
+    for model in models:
+        for _, p in model.named_parameters(remove_duplicate=False):
+            seen[id(p)] = seen.get(id(p), 0) + 1
+            params[id(p)] = p
+    return [params[i] for i, n in seen.items() if n > 1]
+
+
+class TiedGradOffload:
+    """The host buffers, streams and this step's offloaded gradient parts of one :class:`GradientRelease`."""
+
+    def __init__(self):
+        self._tied: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}  # id(model) -> (model, its tied params)
+        self._host: dict[int, torch.Tensor] = {}  # id(param) -> its pinned host buffer
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        # id(param) -> [param, host buffer, event after the copy out, device tensor or None, event after the copy in,
+        # whether the buffer holds the part's transpose]
+        self._parts: dict[int, list] = {}
+        self.offloaded = 0  # gradient parts offloaded since construction (a diagnostic)
+
+    # ---- before backward ---------------------------------------------------------------------------------------
+
+    def _tied_of(self, models) -> list[torch.Tensor]:
+        key = tuple(id(m) for m in (models if isinstance(models, (list, tuple)) else [models]))
+        entry = self._tied.get(key)
+        if entry is not None and all(r() is not None for r in entry[0]):
+            return entry[1]
+        mods = list(models) if isinstance(models, (list, tuple)) else [models]
+        tied = tied_parameters(mods)
+        self._tied = {key: ([weakref.ref(m) for m in mods], tied)}
+        return tied
+
+    def prepare(self, loss: torch.Tensor, models, hooked: set[int]) -> int:
+        """Hook the first use of each tied parameter of ``models`` (among ``hooked``, the ids of the parameters
+        with a release hook) in the graph of ``loss``; the number of uses hooked."""
+        targets = {
+            id(p): p
+            for p in self._tied_of(models)
+            if id(p) in hooked and p.requires_grad and not dt.is_dtensor(p) and _offloadable(p)
+        }
+        self._parts.clear()  # left by a backward pass that raised
+        root = getattr(loss, "grad_fn", None)
+        if not targets or root is None:
+            return 0
+        found: dict[int, tuple] = {}
+        queue, seen, searched = collections.deque([root]), {root}, 0
+        while queue and len(found) < len(targets) and searched < SEARCH_NODES:
+            node = queue.popleft()
+            searched += 1
+            for i, (nxt, _) in enumerate(node.next_functions):
+                if nxt is None:
+                    continue
+                var = getattr(nxt, "variable", None)  # an AccumulateGrad node: a leaf
+                if var is not None:
+                    if id(var) in targets and id(var) not in found:
+                        found[id(var)] = (node, i)
+                    continue
+                if nxt not in seen:
+                    seen.add(nxt)
+                    queue.append(nxt)
+        for pid, (node, i) in found.items():
+            node.register_hook(self._node_hook(targets[pid], i))
+        return len(found)
+
+    def _node_hook(self, p: torch.Tensor, i: int):
+        ref = weakref.ref(self)
+
+        def hook(grad_inputs, grad_outputs):
+            offload = ref()
+            g = grad_inputs[i]
+            if offload is None or g is None or id(p) in offload._parts:
+                return None  # autograd keeps this part, as without offload
+            # an output layer's weight.t() hands its part over as the transpose of a contiguous tensor
+            transposed = not g.is_contiguous() and g.dim() == 2 and g.t().is_contiguous()
+            if not _offloadable(g.t() if transposed else g):
+                return None
+            offload._copy_out(p, g.t() if transposed else g, transposed)
+            return tuple(None if j == i else x for j, x in enumerate(grad_inputs))
+
+        return hook
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
+
+    def _copy_out(self, p: torch.Tensor, g: torch.Tensor, transposed: bool) -> None:
+        if not g.is_cuda:  # CPU gradients, in tests only (see _offloadable): a copy, no streams
+            self._parts[id(p)] = [p, g.clone(), None, None, None, transposed]
+            self.offloaded += 1
+            return
+        buf = self._host.get(id(p))
+        if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
+            buf = self._host[id(p)] = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+        stream = self._stream(g.device)
+        stream.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(stream):
+            buf.copy_(g, non_blocking=True)
+            out = torch.cuda.Event()
+            out.record(stream)
+        g.record_stream(stream)  # its memory is reused only once the copy is done
+        self._parts[id(p)] = [p, buf, out, None, None, transposed]
+        self.offloaded += 1
+
+    # ---- during backward ---------------------------------------------------------------------------------------
+
+    def prefetch(self) -> None:
+        """Start copying every offloaded part back to its device (on the side stream), if not started."""
+        for part in self._parts.values():
+            if part[3] is not None:
+                continue
+            p, buf, out = part[0], part[1], part[2]
+            if out is None:  # a CPU copy (tests)
+                part[3] = buf
+                continue
+            stream = self._stream(p.device)
+            dev = torch.empty(buf.shape, dtype=buf.dtype, device=p.device)
+            stream.wait_stream(torch.cuda.current_stream(p.device))  # the allocation, on the current stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(out)
+                dev.copy_(buf, non_blocking=True)
+                back = torch.cuda.Event()
+                back.record(stream)
+            dev.record_stream(stream)
+            part[3], part[4] = dev, back
+
+    def take(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s offloaded part on its device, ready to use on the current stream (None if none); shaped like
+        ``p``, not necessarily contiguous."""
+        part = self._parts.pop(id(p), None)
+        if part is None:
+            return None
+        if part[3] is None:
+            self._parts[id(p)] = part
+            self.prefetch()
+            part = self._parts.pop(id(p))
+        if part[4] is not None:
+            torch.cuda.current_stream(p.device).wait_event(part[4])
+        return part[3].t() if part[5] else part[3]
+
+    def pending(self) -> list[torch.Tensor]:
+        """The parameters whose offloaded part is still waiting (their gradient never completed in this pass)."""
+        return [part[0] for part in self._parts.values()]
+
+    def drop(self) -> None:
+        """Forget this pass's parts (a step given up)."""
+        self._parts.clear()
