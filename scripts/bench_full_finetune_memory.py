@@ -302,6 +302,9 @@ def run_one(cell: str, shape: str, args) -> dict:
         n = len(release_marks) - args.warmup
         release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n,
                    "release_grad_moves_per_step": (m1 - m0) / n}
+        offload = getattr(inner._release, "offload", None)
+        if offload is not None:  # tied_grad_offload: gradient parts offloaded over the whole run
+            release["tied_grad_parts_offloaded"] = offload.offloaded
     calls = {}
     if len(call_marks) > args.warmup:
         first, last = call_marks[args.warmup - 1], call_marks[-1]
@@ -497,6 +500,8 @@ def main() -> None:
             if "release_flushes_per_step" in row:
                 rel = (f"  release: {row['release_flushes_per_step']:.1f} flushes, "
                        f"{row['release_host_ms_per_step']:.1f} host ms/step")
+                if "tied_grad_parts_offloaded" in row:
+                    rel += f", {row['tied_grad_parts_offloaded']} tied parts offloaded"
             for k, v in row.get("host_calls_per_step", {}).items():
                 rel += f"\n      {k:40} {v['calls']:6.1f} calls {v['ms']:8.3f} ms/step"
             fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
