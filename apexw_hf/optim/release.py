@@ -320,11 +320,16 @@ class GradientRelease:
         first, last = entries[0][0][0], entries[-1][0][0]
         sumsq = _plan_sumsq(opt, opt.param_groups[first], params, grads) if first == last else None
         if sumsq is not None:
-            # the norm from the address tables of the bucket's launch plans, once the engine has set them
-            def before_launch(plans: list) -> None:
+            # the norm from the address tables of the bucket's launch plans, once the engine has set them; the clip
+            # coefficient goes to the update kernel, which multiplies each gradient by it as _scale_ would
+            def before_launch(plans: list) -> torch.Tensor | None:
                 coefs = self._account_parts(sumsq(plans), True, grads[0].dtype, key)
-                if coefs is not None:
-                    _scale_(grads, coefs)
+                if coefs is None:
+                    return None
+                if _FOLD_CLIP:  # (the running sums, and so the coefficient, may sit on another GPU of the model)
+                    return _on(coefs[torch.float32], grads[0].device).reshape(1)
+                _scale_(grads, coefs)
+                return None
 
             opt._step_params(opt.param_groups[first], params, grads, bucket=key, before_launch=before_launch)
         else:
@@ -599,6 +604,9 @@ def release_norm_torch(
 
 
 _CUDA_NORM: list[Callable] = []  # the bucket norm for CUDA gradients, chosen at first use
+# Where the norm comes from the launch plans: the clip multiplies the gradients in the update kernel's gradient load
+# (LaunchPlan.launch's grad_scale) instead of in a pass of its own (_scale_); the same bits (tested both ways).
+_FOLD_CLIP = True
 _CUDA_SUMSQ: list[Callable | None] = []  # the sum of squares over launch plans for CUDA gradients, or None
 
 

@@ -33,6 +33,7 @@ SIGNATURE = {
         k: "fp32"
         for k in ("step_size", "inv_bc2_sqrt", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "decay", "eps")
     },
+    "gscale_ptr": "*fp32",
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 FORMATS = ("fp32", "compact", "8bit", "4bit")
@@ -68,6 +69,7 @@ def _spec(fmt, p, g, **kw):
         ALIGNED=True,
         EVEN=True,
         ROWS=8,
+        GRAD_SCALE=False,
     )
     spec.update(kw)
     return spec
@@ -76,9 +78,11 @@ def _spec(fmt, p, g, **kw):
 def specializations():
     """(constexprs, num_warps): every format x param dtype x grad dtype on the fast path (whole blocks, aligned), the
     launch tiles, and the other paths: element-wise (unaligned, partial blocks), rounding to nearest, maximize, per
-    tensor steps."""
+    tensor steps, the gradients scaled first (gradient release's clip; each gradient dtype, the launch tile)."""
     for fmt, p, g in itertools.product(FORMATS, DTYPES, DTYPES):
         yield _spec(fmt, p, g), 8
+    for fmt, g in itertools.product(FORMATS, DTYPES):
+        yield _spec(fmt, "bf16", g, ROWS=1, GRAD_SCALE=True), 1
     for fmt, (rows, warps) in itertools.product(FORMATS, TILES):
         yield _spec(fmt, "bf16", "bf16", ROWS=rows), warps
         yield _spec(fmt, "fp32", "fp32", ROWS=rows), warps
@@ -188,7 +192,7 @@ def main(cc: int) -> int:
         name = (
             f"{spec['FMT']} p={spec['P_DTYPE']} g={spec['G_DTYPE']} max={spec['MAXIMIZE']} "
             f"sr={spec['STOCHASTIC_PARAM']} per_tensor={spec['PER_TENSOR_STEP']} aligned={spec['ALIGNED']} "
-            f"even={spec['EVEN']} tile={spec['ROWS']}x{warps}"
+            f"even={spec['EVEN']} tile={spec['ROWS']}x{warps}" + (" grad_scale" if spec["GRAD_SCALE"] else "")
         )
         print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
     return failures

@@ -26,8 +26,13 @@ def _run_both(
     words=None,
     tile=(None, None),
     maxnreg="auto",
+    grad_scale=None,
 ):
     """Step copies of ``params`` with the kernel (one launch per step) and with the reference; compare everything.
+
+    ``grad_scale``: a float the kernel multiplies the gradients by first (``adamw_step_(grad_scale=...)``); the
+    reference gets them multiplied in place as gradient release's clip does without the kernel
+    (``torch._foreach_mul_`` by the factor rounded to the gradients' dtype).
 
     ``states``: initial states (default: fresh ones); ``hp``: hyperparameters; ``words``: whether the launch must
     (True) or must not (False) take the whole-block, 16-byte aligned path that moves data as uint32 words; ``tile``:
@@ -45,6 +50,7 @@ def _run_both(
     indices = [first_index + i for i in range(len(params))]
     if words is not None:
         assert _takes_word_path(kp, grads_per_step[0], ks) == words
+    scale = None if grad_scale is None else torch.tensor([grad_scale], dtype=torch.float32, device=DEVICE)
     for step, grads in enumerate(grads_per_step, start=1):
         scalars = ref.StepScalars.make(step=step, **hp)
         adamw_step_(
@@ -61,7 +67,11 @@ def _run_both(
             rows=tile[0],
             num_warps=tile[1],
             maxnreg=maxnreg,
+            grad_scale=scale,
         )
+        if scale is not None:  # the reference's copy, multiplied in place
+            grads = [g.clone() for g in grads]
+            torch._foreach_mul_(grads, scale.reshape(()).to(grads[0].dtype))
         for p, g, s, i in zip(rp, grads, rs, indices):
             ref.adamw_step_ref_(
                 p,
@@ -511,3 +521,21 @@ def test_register_cap_is_checked():
     for bad in (8, 300, 64.0, "64"):
         with pytest.raises(ValueError, match="maxnreg must be .auto., None or an int in 24..255"):
             LaunchPlan([p], [st.init_state(p, "4bit")], "4bit", [0], 0, torch.float32, maxnreg=bad)
+
+
+@pytest.mark.parametrize("scale", [0.3712345, 1.0, 0.0])
+@pytest.mark.parametrize("fmt,pdt,gdt", [c for c in CASES if c[0] in ("fp32", "4bit")] + [("8bit", "bf16", "bf16")])
+def test_grad_scale_is_the_in_place_multiply(fmt, pdt, gdt, scale):
+    """adamw_step_(grad_scale=c): the gradients multiplied by c in the kernel's load give the bits of the update of
+    the gradients multiplied in place first (gradient release's clip coefficient, fp32, rounded to the gradients'
+    dtype): whole blocks and partial ones, subnormal products, a zero factor on non-finite gradients."""
+    gen = torch.Generator().manual_seed(11)
+    shapes = [(4097,), (256, 3), (5,)]
+    params = [_randn(s, DTYPES[pdt], gen) for s in shapes]
+    steps = []
+    for k in range(3):
+        grads = [_randn(s, DTYPES[gdt], gen, scale=(1e-39 if k == 1 else 3.0)) for s in shapes]
+        if scale == 0.0 and k == 2:
+            grads[2][1], grads[2][3] = float("inf"), float("nan")  # the later buckets of a non-finite norm
+        steps.append(grads)
+    _run_both(params, steps, fmt, grad_scale=scale)

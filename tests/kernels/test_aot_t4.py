@@ -23,6 +23,7 @@ def test_compiles_for_sm75_without_bf16_instructions():
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("sm_75 ")]
-    assert len(lines) >= 76 + 15 + 12 and all(": ok (" in line for line in lines), out.stdout[-3000:]
+    assert len(lines) >= 76 + 12 + 15 + 12 and all(": ok (" in line for line in lines), out.stdout[-3000:]
+    assert sum(" grad_scale: ok (" in line for line in lines) == 12, out.stdout[-3000:]
     assert sum(" release_norm " in line for line in lines) == 15, out.stdout[-3000:]
     assert sum(" grad_sumsq " in line for line in lines) == 12, out.stdout[-3000:]

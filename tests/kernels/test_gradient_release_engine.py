@@ -63,8 +63,9 @@ def test_release_with_clipping_through_the_norm_kernel(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["compact", "4bit"])
 def test_release_norm_through_the_launch_plans(fmt, monkeypatch):
     """The GPU path of a bucket's norm (forced on CPU under the interpreter): the sum of squares read through the
-    bucket's launch plans, then the norm kernel. Without clipping the parameters are those of step(); with clipping
-    the norms, partial sums and parameters are those of the per-tensor norms up to rounding."""
+    bucket's launch plans, then the norm kernel, and the clip in the update kernel. Without clipping the parameters
+    are those of step(); with clipping the norms, partial sums and parameters are those of the per-tensor norms up to
+    rounding, and exactly those of the same norms with the gradients multiplied in place."""
     from apexw_hf.engines.triton.kernels.release_norm import grad_sumsq_, release_norm_
     from apexw_hf.optim import release
 
@@ -109,3 +110,20 @@ def test_release_norm_through_the_launch_plans(fmt, monkeypatch):
     )
     for p, q in zip(ac.parameters(), bc.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    # the clip there went to the update kernel (its gradient load); multiplying the gradients in place first, as the
+    # per-tensor path does, gives the same bits
+    monkeypatch.setattr(release, "_FOLD_CLIP", False)
+    model = make().to(DEVICE)
+    opt = ApexW(
+        groups(model),
+        lr=2e-2,
+        state_format=fmt,
+        engine="triton",
+        gradient_release=True,
+        max_grad_norm=0.05,
+        release_bucket_size=700,
+    )
+    train(model, opt, 3)
+    assert torch.equal(opt.grad_norm, obc.grad_norm)
+    for p, q in zip(model.parameters(), bc.parameters()):
+        assert torch.equal(p, q)

@@ -224,7 +224,7 @@ class TritonEngine:
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
         bucket: object = None,
-        before_launch: Callable[[list], None] | None = None,
+        before_launch: Callable[[list], torch.Tensor | None] | None = None,
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
@@ -232,7 +232,8 @@ class TritonEngine:
         hashable name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps
         its own launch plan, so one launch covers exactly its tensors. ``before_launch(plans)`` is called with the
         launch plans once their gradient addresses are set, before their launches (gradient release computes the
-        bucket's norm from their address tables and clips the gradients in place there).
+        bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
+        the factor the kernels multiply each gradient by first (gradient release's clip coefficient).
         """
         if not params:
             return
@@ -310,8 +311,7 @@ class TritonEngine:
                     [k.step_size if k else 0.0 for k in known],
                     [k.inv_bc2_sqrt if k else 0.0 for k in known],
                 )
-        if before_launch is not None:
-            before_launch([entry[0] for entry in cache.plans])
+        grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
         for plan, _, _ in cache.plans:
             plan.launch(
                 step=lo,
@@ -319,6 +319,7 @@ class TritonEngine:
                 maximize=group["maximize"],
                 stochastic_param=group["param_rounding"] == "stochastic",
                 per_tensor_step=not uniform,
+                grad_scale=grad_scale,
             )
 
     @staticmethod

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--sass", type=Path, help="also write the disassembly here")
     ap.add_argument("--maxnreg", type=int, default=None, help="register cap (LaunchPlan maxnreg)")
     ap.add_argument("--nearest", action="store_true", help="16-bit parameters rounded to nearest")
+    ap.add_argument("--grad-scale", action="store_true", help="gradients scaled first (gradient release's clip)")
     ap.add_argument(
         "--variant",
         default="shipped",
@@ -64,10 +65,12 @@ def main() -> None:
         ALIGNED=True,
         EVEN=not a.uneven,
         ROWS=a.rows,
+        GRAD_SCALE=a.grad_scale,
     )
     if not a.variant.startswith("rev:") and a.variant not in kernel_variants.VARIANTS:
         ap.error(f"unknown variant {a.variant!r}")
     fn = kernel_variants.load(a.variant)
+    spec = {k: v for k, v in spec.items() if k in fn.arg_names}  # an older revision's kernel lacks newer flags
     # the runtime arguments by name (another revision's kernel may name one differently: int32 then)
     runtime = {k: SIGNATURE.get(k, "i32") for k in fn.arg_names if k not in spec}
     src = triton.compiler.ASTSource(fn=fn, signature={**runtime, **{k: "constexpr" for k in spec}}, constexprs=spec)

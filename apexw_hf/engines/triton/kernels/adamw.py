@@ -116,6 +116,21 @@ def _store_f32_runs(ptr, x, rows, rest):
     tl.store(ptr + offs + 4, hi, mask=mask)
 
 
+@triton.jit
+def _scaled(g, c, G_DTYPE: tl.constexpr):
+    """``g * c`` as PyTorch multiplies a gradient tensor of ``G_DTYPE`` in place by the 0-d tensor ``c`` rounded to
+    that dtype (gradient release's clip): both factors widened to fp32, one product rounded to nearest even in the
+    gradient's dtype. ``g`` and the result are fp32 values of that dtype."""
+    if G_DTYPE == tl.bfloat16:
+        c = bf16_bits_to_f32(f32_to_bf16_bits_nearest(c))
+        return bf16_bits_to_f32(f32_to_bf16_bits_nearest(g * c))
+    elif G_DTYPE == tl.float16:
+        c = c.to(tl.float16).to(tl.float32)
+        return (g * c).to(tl.float16).to(tl.float32)
+    else:
+        return g * c
+
+
 WORK_GROUP = tl.constexpr(64)
 
 
@@ -153,6 +168,7 @@ def _adamw_kernel(
     one_minus_beta2,
     decay,
     eps,
+    gscale_ptr,  # fp32 [1]: the factor the gradients are multiplied by first (GRAD_SCALE)
     FMT: tl.constexpr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -162,6 +178,7 @@ def _adamw_kernel(
     ALIGNED: tl.constexpr,
     EVEN: tl.constexpr,
     ROWS: tl.constexpr,
+    GRAD_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
@@ -207,6 +224,8 @@ def _adamw_kernel(
             v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
 
         g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
+        if GRAD_SCALE:
+            g = _scaled(g, tl.load(gscale_ptr), G_DTYPE)
         if MAXIMIZE:
             g = -g
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)

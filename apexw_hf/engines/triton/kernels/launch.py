@@ -33,7 +33,7 @@ QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit
 BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The kernel's parameters after its 17 runtime arguments, in signature order: LaunchPlan.launch passes them
+# The kernel's parameters after its 18 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
 _CONSTEXPR_NAMES = (
     "FMT",
@@ -45,8 +45,9 @@ _CONSTEXPR_NAMES = (
     "ALIGNED",
     "EVEN",
     "ROWS",
+    "GRAD_SCALE",
 )
-if tuple(_adamw_kernel.arg_names[17:]) != _CONSTEXPR_NAMES:
+if tuple(_adamw_kernel.arg_names[18:]) != _CONSTEXPR_NAMES:
     raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
 
 _TL_DTYPES = {
@@ -245,10 +246,12 @@ class LaunchPlan:
         )
         _copy_from_host_(self.tstep, torch.from_numpy(packed))
 
-    def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False) -> None:
+    def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False, grad_scale=None) -> None:
         """One launch over all tensors. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
-        :meth:`set_tensor_steps`.
+        :meth:`set_tensor_steps`. ``grad_scale``: an fp32 tensor of one element on the plan's device; the kernel
+        then multiplies each gradient by it first, exactly as ``g.mul_(grad_scale.to(g.dtype))`` would (gradient
+        release's clip, without a pass of its own over the gradients).
 
         The first launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
         ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
@@ -264,17 +267,17 @@ class LaunchPlan:
         if self.num_work == 0:
             return
         with device_guard(self.device):
-            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step)
+            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale)
 
     def _cap(self, constexprs: tuple) -> int | None:
         """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""
         if not self._auto_caps:
             return None if self.maxnreg == "auto" else self.maxnreg
-        _, _, _, _, stochastic, per_tensor_step, _, even, _ = constexprs
+        _, _, _, _, stochastic, per_tensor_step, _, even, _, _ = constexprs
         stochastic = stochastic and self.param_dtype != torch.float32  # fp32 parameters are never rounded
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
-    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step) -> None:
+    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale) -> None:
         s = scalars
         args = (
             self.cstart,
@@ -294,6 +297,7 @@ class LaunchPlan:
             s.one_minus_beta2,
             s.decay,
             s.eps,
+            self.tstep if grad_scale is None else grad_scale,  # any pointer where unused
         )
         constexprs = (
             self.fmt,
@@ -305,6 +309,7 @@ class LaunchPlan:
             self.static_aligned and self.grads_aligned,
             self.even,
             self.rows,
+            grad_scale is not None,
         )
         compiled = self._compiled.get(constexprs)
         if compiled is not None:
@@ -336,10 +341,12 @@ def adamw_step_(
     rows=None,
     num_warps=None,
     maxnreg="auto",
+    grad_scale=None,
 ) -> None:
     """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
 
     The same contract as :func:`apexw_hf.reference.adamw_step_ref_` applied to each tensor; for tests and tools.
+    ``grad_scale``: see :meth:`LaunchPlan.launch`.
     """
     plan = LaunchPlan(
         params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps, maxnreg=maxnreg
@@ -348,4 +355,10 @@ def adamw_step_(
         if g.dtype != plan.grad_dtype or g.shape != p.shape or not g.is_contiguous():
             raise ValueError("gradients must be contiguous, shaped like their parameters, and of one dtype")
     plan.set_grad_ptrs([g.data_ptr() for g in grads])
-    plan.launch(step=step, scalars=scalars, maximize=maximize, stochastic_param=param_rounding == "stochastic")
+    plan.launch(
+        step=step,
+        scalars=scalars,
+        maximize=maximize,
+        stochastic_param=param_rounding == "stochastic",
+        grad_scale=grad_scale,
+    )
