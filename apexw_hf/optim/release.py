@@ -38,9 +38,10 @@ expert of a mixture of experts; a model split over devices, whose devices' backw
 another order). After a checkpoint is loaded the first step assumes the saved step's buckets.
 Per bucket on a GPU with the Triton engine this is two small kernel launches (``engines.triton.kernels.release_norm``):
 one sums the squared gradient elements, read through the address table of the bucket's AdamW launch, the other adds
-that to the step's running sums and computes the coefficient; then one fused multiply. Elsewhere (the PyTorch engine,
-FSDP2's DTensor gradients, a group over several devices) the per-tensor norms (one fused operation) replace the first
-launch, and on the CPU PyTorch operations (:func:`release_norm_torch`) the second. On a small model the GPU waits for
+that to the step's running sums and computes the coefficient, which the update kernel multiplies each gradient by as
+it loads it (``LaunchPlan.launch(grad_scale=...)``: the bits of an in-place multiply, without a pass of its own).
+Elsewhere (the PyTorch engine, FSDP2's DTensor gradients, a group over several devices) the per-tensor norms (one fused
+operation) replace the first launch and one fused multiply clips the gradients in place, and on the CPU PyTorch operations (:func:`release_norm_torch`) the second. On a small model the GPU waits for
 this host time, so it is kept to a few launches.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's

@@ -242,7 +242,14 @@ def test_optim_args_values():
         "maximize",
         "gradient_release",
         "release_bucket_size",
+        "tied_grad_offload",
     }
+    assert parse_optim_args("gradient_release=true, tied_grad_offload=YES", "apexw_4bit") == {
+        "gradient_release": True,
+        "tied_grad_offload": True,
+    }
+    with pytest.raises(ValueError, match="tied_grad_offload='maybe' is not allowed"):
+        parse_optim_args("tied_grad_offload=maybe")
 
 
 def test_every_optim_arg_is_accepted_by_the_optimizer(tmp_path):
