@@ -25,6 +25,7 @@ model before ``backward()``: Accelerate's ``backward`` (so the Trainer) passes t
 from __future__ import annotations
 
 import collections
+import warnings
 import weakref
 
 import torch
@@ -65,6 +66,7 @@ class TiedGradOffload:
         # whether the buffer holds the part's transpose]
         self._parts: dict[int, list] = {}
         self.offloaded = 0  # gradient parts offloaded since construction (a diagnostic)
+        self._warned = False  # said once that some tied weight, or none, can be offloaded
 
     # ---- before backward ---------------------------------------------------------------------------------------
 
@@ -81,11 +83,22 @@ class TiedGradOffload:
     def prepare(self, loss: torch.Tensor, models, hooked: set[int]) -> int:
         """Hook the first use of each tied parameter of ``models`` (among ``hooked``, the ids of the parameters
         with a release hook) in the graph of ``loss``; the number of uses hooked."""
-        targets = {
-            id(p): p
-            for p in self._tied_of(models)
-            if id(p) in hooked and p.requires_grad and not dt.is_dtensor(p) and _offloadable(p)
-        }
+        tied = [p for p in self._tied_of(models) if id(p) in hooked and p.requires_grad]
+        targets = {id(p): p for p in tied if not dt.is_dtensor(p) and _offloadable(p)}
+        if not self._warned and len(targets) < len(tied):
+            self._warned = True
+            warnings.warn(
+                f"tied_grad_offload: {len(tied) - len(targets)} of the model's {len(tied)} trainable tied weights are "
+                "not plain CUDA tensors (FSDP2 shards, or on the CPU): their gradients stay where autograd keeps them",
+                stacklevel=4,
+            )
+        elif not self._warned and not tied:
+            self._warned = True
+            warnings.warn(
+                "tied_grad_offload: the model has no trainable tied weights (none registered under two names), so "
+                "nothing is offloaded; the option only helps models whose embedding and output layer share a weight.",
+                stacklevel=4,
+            )
         self._parts.clear()  # left by a backward pass that raised
         root = getattr(loss, "grad_fn", None)
         if not targets or root is None:

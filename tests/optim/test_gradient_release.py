@@ -720,13 +720,27 @@ def test_tied_grad_offload_leaves_untied_weights_and_other_settings_alone(offloa
     model = make()
     model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())  # untied
     opt = ApexW(groups(model), lr=2e-2, gradient_release=True, tied_grad_offload=True)
-    assert opt.before_backward(loss_of(model, 0), model) == 0
+    with pytest.warns(UserWarning, match="no trainable tied weights"):
+        assert opt.before_backward(loss_of(model, 0), model) == 0
     plain = ApexW(groups(make()), lr=2e-2, gradient_release=True)
     assert plain.before_backward(loss_of(model, 0), model) == 0  # without the option: nothing to do
     with pytest.raises(ValueError, match="tied_grad_offload=True is for gradient_release=True"):
         ApexW(groups(make()), tied_grad_offload=True)
     with pytest.raises(TypeError, match="tied_grad_offload must be a bool"):
         ApexW(groups(make()), gradient_release=True, tied_grad_offload="yes")
+
+
+def test_tied_grad_offload_says_when_a_tied_weight_is_not_on_a_gpu():
+    """On the CPU (no offload_on_cpu here) the tied weight is not offloaded, and it says so once."""
+    model = make()
+    opt = ApexW(groups(model), lr=2e-2, gradient_release=True, tied_grad_offload=True)
+    with pytest.warns(UserWarning, match="1 of the model's 1 trainable tied weights are not plain CUDA tensors"):
+        assert opt.before_backward(loss_of(model, 0), model) == 0
+    loss = loss_of(model, 1)
+    assert opt.before_backward(loss, model) == 0  # said once
+    loss.backward()
+    opt.step()
+    assert opt._release.offload.offloaded == 0
 
 
 def test_tied_grad_offload_part_is_dropped_with_a_step_given_up(offload_on_cpu):
