@@ -41,8 +41,9 @@ one sums the squared gradient elements, read through the address table of the bu
 that to the step's running sums and computes the coefficient, which the update kernel multiplies each gradient by as
 it loads it (``LaunchPlan.launch(grad_scale=...)``: the bits of an in-place multiply, without a pass of its own).
 Elsewhere (the PyTorch engine, FSDP2's DTensor gradients, a group over several devices) the per-tensor norms (one fused
-operation) replace the first launch and one fused multiply clips the gradients in place, and on the CPU PyTorch operations (:func:`release_norm_torch`) the second. On a small model the GPU waits for
-this host time, so it is kept to a few launches.
+operation) replace the first launch and one fused multiply clips the gradients in place; on the CPU PyTorch operations
+(:func:`release_norm_torch`) replace the second. On a small model the GPU waits for this host time, so it is kept to a
+few launches.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
 partial sums (a resumed run clips exactly as an unbroken one). They are saved twice: under the state dict's
@@ -237,6 +238,8 @@ class GradientRelease:
                 p.grad = part.contiguous() if p.grad is None else p.grad.add_(part)
         if not self._stepped and not self._pending:
             self._check_setup(p)
+            if self.offload is not None:
+                self.offload.check_prepared()
         slot = self._opt_ref()._group_slot(p)
         gi = slot[0]
         bucket = self._pending.get(gi)
@@ -269,6 +272,7 @@ class GradientRelease:
                 # a tied weight whose gradient never completed in this pass: its offloaded part alone
                 for p in self.offload.pending():
                     self._on_grad_ready(p)
+                self.offload.prepared = False  # the next pass needs before_backward again
             self._flush(None, None)
 
     def prepare_backward(self, loss: torch.Tensor, models) -> int:

@@ -67,6 +67,8 @@ class TiedGradOffload:
         self._parts: dict[int, list] = {}
         self.offloaded = 0  # gradient parts offloaded since construction (a diagnostic)
         self._warned = False  # said once that some tied weight, or none, can be offloaded
+        self.prepared = False  # before_backward ran for the coming (or running) backward pass
+        self._warned_unprepared = False
 
     # ---- before backward ---------------------------------------------------------------------------------------
 
@@ -99,6 +101,7 @@ class TiedGradOffload:
                 "nothing is offloaded; the option only helps models whose embedding and output layer share a weight.",
                 stacklevel=4,
             )
+        self.prepared = True
         self._parts.clear()  # left by a backward pass that raised
         root = getattr(loss, "grad_fn", None)
         if not targets or root is None:
@@ -122,6 +125,18 @@ class TiedGradOffload:
         for pid, (node, i) in found.items():
             node.register_hook(self._node_hook(targets[pid], i))
         return len(found)
+
+    def check_prepared(self) -> None:
+        """At the first gradient of a backward pass: say once if no ``before_backward`` came before it (a training
+        loop that calls ``loss.backward()`` itself, not through Accelerate): nothing is offloaded then."""
+        if not self.prepared and not self._warned_unprepared:
+            self._warned_unprepared = True
+            warnings.warn(
+                "tied_grad_offload: a backward pass ran without optimizer.before_backward(loss, model) before it, so "
+                "no tied weight's gradient was offloaded. Accelerate's backward (and so the Trainer) calls it; a "
+                "training loop that calls loss.backward() itself must call it first.",
+                stacklevel=2,
+            )
 
     def _node_hook(self, p: torch.Tensor, i: int):
         ref = weakref.ref(self)

@@ -743,6 +743,19 @@ def test_tied_grad_offload_says_when_a_tied_weight_is_not_on_a_gpu():
     assert opt._release.offload.offloaded == 0
 
 
+def test_tied_grad_offload_says_when_backward_came_without_before_backward(offload_on_cpu):
+    model = make()
+    opt = ApexW(groups(model), lr=2e-2, gradient_release=True, tied_grad_offload=True)
+    loss = loss_of(model, 0)
+    opt.before_backward(loss, model)
+    loss.backward()
+    opt.step()
+    with pytest.warns(UserWarning, match="without optimizer.before_backward"):
+        loss_of(model, 1).backward()  # a loop that forgot it: trains, offloads nothing
+    opt.step()
+    assert opt._release.offload.offloaded == 1
+
+
 def test_tied_grad_offload_part_is_dropped_with_a_step_given_up(offload_on_cpu):
     """A backward pass that raises after the part was offloaded: zero_grad gives up the step and its part; the next
     step trains as an unbroken run from there would."""
