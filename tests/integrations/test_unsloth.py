@@ -90,6 +90,7 @@ def test_unsloth_trainer_full_finetune_keeps_a_bf16_model_bf16(tmp_path):
     assert len(release["losses"]) == 3 and release["losses"][-1] < release["losses"][0]
     assert len(release["grad_norms"]) == 3 and all(v > 0 for v in release["grad_norms"]), release["grad_norms"]
     assert release["bit_identical"] and release["trained"]
+    assert release["offloaded"] == 3 and release["offload_bit_identical"]  # optim_args="tied_grad_offload=true"
 
 
 def test_unsloth_cpu_mode_trains_with_apexw_4bit(tmp_path):

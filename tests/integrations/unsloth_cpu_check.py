@@ -43,12 +43,12 @@ for name in ("apexw_8bit", "apexw_compact", "apexw_4bit"):
         result["names"][f"{cls.__name__}:{name}"] = str(cls(**common, optim=name).optim.value)
 
 
-def train(model, name=optim, **extra):
+def train(model, name=optim, optim_args="engine=torch", **extra):
     """A 3-step run of ``model`` through Unsloth's trainer with ``name``; returns (trainer, the real optimizer)."""
     config = UnslothTrainingArguments(
         **common,
         optim=name,
-        optim_args="engine=torch",
+        optim_args=optim_args,
         max_steps=3,
         per_device_train_batch_size=4,
         logging_steps=1,
@@ -92,6 +92,22 @@ if full_bf16:
         result["release"]["bit_identical"] = all(torch.equal(a, b) for a, b in zip(*params))
         result["release"]["trained"] = all(
             not torch.equal(a, b) for a, b in zip(params[1], make_model(lora=False).to(torch.bfloat16).parameters())
+        )
+        # tied_grad_offload through Unsloth's trainer (its backward goes through Accelerate's, which hands the loss
+        # and the model to the optimizer); on the CPU a copy stands in for the pinned host buffer
+        from apexw_hf.optim import tied_offload
+
+        tied_offload._offloadable = lambda t: t.is_contiguous()
+        trainer, opt = train(
+            make_model(lora=False).to(torch.bfloat16),
+            name=optim + "_release",
+            bf16=True,
+            max_grad_norm=0,
+            optim_args="engine=torch,tied_grad_offload=true",
+        )
+        result["release"]["offloaded"] = opt._release.offload.offloaded
+        result["release"]["offload_bit_identical"] = all(
+            torch.equal(a, b) for a, b in zip(params[0], trainer.model.parameters())
         )
     print("RESULT " + json.dumps(result))
     sys.exit(0)
