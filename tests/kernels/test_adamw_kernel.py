@@ -490,16 +490,17 @@ def test_register_caps_by_specialization():
     from apexw_hf.engines.triton.kernels import LaunchPlan
     from apexw_hf.engines.triton.kernels.launch import MAX_REGISTERS
 
-    def cap(fmt, dtype, stochastic=True, even=True, per_tensor=False, **kw):
+    def cap(fmt, dtype, stochastic=True, even=True, per_tensor=False, grad_scale=False, **kw):
         p = torch.zeros(512, dtype=dtype, device=DEVICE)
         plan = LaunchPlan([p], [st.init_state(p, fmt)], fmt, [0], 0, dtype, **kw)
-        return plan._cap((fmt, None, None, False, stochastic, per_tensor, True, even, plan.rows))
+        return plan._cap((fmt, None, None, False, stochastic, per_tensor, True, even, plan.rows, grad_scale))
 
     assert MAX_REGISTERS == {
         ("4bit", torch.bfloat16, True, True, False): 64,
         ("4bit", torch.float32, False, True, False): 64,
     }
     assert cap("4bit", torch.bfloat16) == 64
+    assert cap("4bit", torch.bfloat16, grad_scale=True) == 64  # the release clip's variant: no spill at 64 (sm_90)
     assert cap("4bit", torch.bfloat16, stochastic=False) is None
     assert cap("4bit", torch.bfloat16, even=False) is None
     assert cap("4bit", torch.bfloat16, per_tensor=True) is None
