@@ -220,6 +220,8 @@ class TrainConfig:
     # Liger-Kernel's fused linear cross-entropy (TrainingArguments.use_liger_kernel; pip install liger-kernel, GPU):
     # the logits are never materialized, the peak of large-vocabulary full fine-tunes
     use_liger_kernel: bool = False
+    # TrainingArguments(optim_args=...) ("" = none); compare.optim_args sets it per grid cell
+    optim_args: str = ""
     precision: str = "auto"  # auto: bf16 where supported, else fp16 on CUDA, fp32 on the CPU
     logging_steps: int = 1
     final_loss_window: int = 10  # "final train loss" = mean of the last this many logged losses
@@ -267,6 +269,9 @@ class CompareConfig:
     # optimizer). Each optimizer is then also reported at its best learning rate (see `report.best_learning_rates`).
     lr_sweep: dict[str, list[float]] | list[float] = field(default_factory=dict)
     seeds: list[int] = field(default_factory=lambda: [3407])
+    # TrainingArguments(optim_args=...) per optimizer of the grid: {optimizer: "key=value,..."} (e.g.
+    # {apexw_4bit_release@bf16: tied_grad_offload=true}); the others run with train.optim_args
+    optim_args: dict[str, str] = field(default_factory=dict)
     baseline: str = "adamw_torch"  # the optimizer the significance tests compare against
     output_dir: str = "runs/compare"
     jobs: int = 1  # runs at a time; with a GPU only start-ups overlap (GPU work is serialized by a file lock)
@@ -310,6 +315,17 @@ class CompareConfig:
         for lrs in sweeps:
             if not isinstance(lrs, list) or not all(isinstance(x, (int, float)) and x > 0 for x in lrs):
                 raise ValueError(f"compare.lr_sweep entries must be lists of positive learning rates, got {lrs!r}")
+        unknown = sorted(set(self.optim_args) - set(self.optimizers))
+        if unknown:
+            raise ValueError(
+                f"compare.optim_args names {unknown}, which are not in compare.optimizers {self.optimizers}"
+            )
+        for spec, value in self.optim_args.items():
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(
+                    f"compare.optim_args[{spec!r}]={value!r}: expected a non-empty 'key=value,...' string (the "
+                    "TrainingArguments optim_args of that optimizer's runs)"
+                )
         if self.jobs < 1:
             raise ValueError(f"compare.jobs={self.jobs} must be >= 1")
         if self.runs_per_device < 1:

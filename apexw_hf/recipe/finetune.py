@@ -158,6 +158,7 @@ def build_training_arguments(cfg: RecipeConfig, out_dir: str | Path, precision: 
             lr_scheduler_type=t.lr_scheduler_type,
             max_grad_norm=t.max_grad_norm,
             use_liger_kernel=t.use_liger_kernel,
+            optim_args=t.optim_args or None,
             seed=t.seed,
             data_seed=t.seed,
             report_to="none",
@@ -335,6 +336,8 @@ def run_finetune(
         "seed": t.seed,
         "config_name": cfg.name,
     }
+    if t.optim_args:
+        result["optim_args"] = t.optim_args
     backend, why = select_backend(cfg)
     result["backend"], result["backend_reason"] = backend, why
     if backend == "unsloth":
@@ -501,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         if val is not None:
             overrides.append(f"train.{key}={val}")
     cfg = load_config(args.config, overrides)
+    if args.optim and args.optim in cfg.compare.optim_args:  # this grid cell's own optim_args
+        cfg.train.optim_args = cfg.compare.optim_args[args.optim]
     out_dir = Path(args.output_dir or Path(cfg.compare.output_dir) / "single")
     if args.prepare_only:
         prepared = prepare_base(cfg, out_dir)
