@@ -608,11 +608,23 @@ def release_norm_torch(
     coef_lo.copy_(value.reshape(1))
 
 
-_CUDA_NORM: list[Callable] = []  # the bucket norm for CUDA gradients, chosen at first use
 # Where the norm comes from the launch plans: the clip multiplies the gradients in the update kernel's gradient load
 # (LaunchPlan.launch's grad_scale) instead of in a pass of its own (_scale_); the same bits (tested both ways).
 _FOLD_CLIP = True
-_CUDA_SUMSQ: list[Callable | None] = []  # the sum of squares over launch plans for CUDA gradients, or None
+_CUDA_KERNELS: list = []  # engines.triton.kernels.release_norm where it runs on CUDA tensors, else None; at first use
+
+
+def _cuda_kernels():
+    """The release norm kernels' module for CUDA gradients, or None: without triton (``engine="torch"`` needs none) or
+    under the Triton interpreter (which runs kernels on CPU tensors only)."""
+    if not _CUDA_KERNELS:
+        try:
+            kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
+        except ImportError:
+            _CUDA_KERNELS.append(None)
+        else:
+            _CUDA_KERNELS.append(None if kernel.INTERPRETED else kernel)
+    return _CUDA_KERNELS[0]
 
 
 def _plan_sumsq(opt, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable | None:
@@ -626,34 +638,16 @@ def _plan_sumsq(opt, group: dict, params: list[torch.Tensor], grads: list[torch.
 
 
 def _sumsq_impl(device: torch.device) -> Callable | None:
-    """``grad_sumsq_`` for CUDA gradients where the Triton kernels run (not under the interpreter, which runs them on
-    CPU tensors only); None elsewhere."""
-    if device.type != "cuda":
-        return None
-    if not _CUDA_SUMSQ:
-        try:
-            kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
-        except ImportError:
-            _CUDA_SUMSQ.append(None)
-        else:
-            _CUDA_SUMSQ.append(None if kernel.INTERPRETED else kernel.grad_sumsq_)
-    return _CUDA_SUMSQ[0]
+    """``grad_sumsq_`` for CUDA gradients where the Triton kernels run; None elsewhere."""
+    kernels = _cuda_kernels() if device.type == "cuda" else None
+    return None if kernels is None else kernels.grad_sumsq_
 
 
 def _norm_impl(device: torch.device) -> Callable:
-    """The bucket norm bookkeeping for gradients on ``device``: one kernel launch on a GPU, PyTorch operations
-    elsewhere, and on a GPU without triton (``engine="torch"`` needs none) or under the Triton interpreter (which
-    runs kernels on CPU tensors only)."""
-    if device.type != "cuda":
-        return release_norm_torch
-    if not _CUDA_NORM:
-        try:
-            kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
-        except ImportError:
-            _CUDA_NORM.append(release_norm_torch)
-        else:
-            _CUDA_NORM.append(release_norm_torch if kernel.INTERPRETED else kernel.release_norm_)
-    return _CUDA_NORM[0]
+    """The bucket norm bookkeeping for gradients on ``device``: one kernel launch on a GPU where the Triton kernels
+    run, PyTorch operations elsewhere."""
+    kernels = _cuda_kernels() if device.type == "cuda" else None
+    return release_norm_torch if kernels is None else kernels.release_norm_
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:

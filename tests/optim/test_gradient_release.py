@@ -565,10 +565,11 @@ def test_cuda_gradients_without_triton_take_the_pytorch_norm(monkeypatch):
 
     from apexw_hf.optim import release
 
-    monkeypatch.setattr(release, "_CUDA_NORM", [])
+    monkeypatch.setattr(release, "_CUDA_KERNELS", [])
     monkeypatch.setitem(sys.modules, "apexw_hf.engines.triton.kernels.release_norm", None)  # its import fails
     assert release._norm_impl(torch.device("cuda")) is release.release_norm_torch
     assert release._norm_impl(torch.device("cpu")) is release.release_norm_torch
+    assert release._sumsq_impl(torch.device("cuda")) is None  # the per-tensor norms then
 
 
 def test_default_bucket_limit_grows_through_backward(monkeypatch):
