@@ -114,7 +114,22 @@ def _grad_sumsq_kernel(
 
 
 _compiled: dict[tuple, object] = {}
-_compiled_sumsq: dict[tuple, object] = {}
+
+
+def _launch(kernel, key: tuple, grid: int, args: tuple, constexprs: dict, device: torch.device, num_warps: int):
+    """Launch ``kernel`` on ``grid`` programs: through Triton's JIT the first time for ``key`` (the specialization:
+    device, ``constexprs`` in signature order, whatever else selects it), which compiles or finds the kernel, then
+    that compiled kernel directly, without the JIT's per-call binding and hashing (host time on autograd's thread,
+    where a small model's GPU waits for it). The interpreter has no compiled kernel: every launch goes through it."""
+    key = (kernel, *key)
+    compiled = _compiled.get(key)
+    with device_guard(device):
+        if compiled is not None:
+            compiled[(grid, 1, 1)](*args, *constexprs.values())
+            return
+        compiled = kernel[(grid,)](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
+    if not INTERPRETED:
+        _compiled[key] = compiled
 
 
 def release_norm_(
@@ -132,7 +147,13 @@ def release_norm_(
     :func:`apexw_hf.optim.release.release_norm_torch` computes them. ``prev_cum`` (the previous step's running
     sums, holding an entry ``k``) selects the share estimate; ``prev_norm`` alone the fallback."""
     use_share = max_norm is not None and prev_cum is not None and prev_norm is not None
-    constexprs = (bool(squared), use_share, prev_norm is not None, max_norm is not None, BLOCK)
+    constexprs = dict(
+        SQUARED=bool(squared),
+        USE_SHARE=use_share,
+        HAS_PREV=prev_norm is not None,
+        CLIP=max_norm is not None,
+        BLOCK=BLOCK,
+    )
     args = (
         parts,
         parts.numel(),
@@ -144,24 +165,8 @@ def release_norm_(
         coef,
         coef_lo,
     )
-    key = (parts.device, coef_lo.dtype, constexprs)
-    compiled = _compiled.get(key)
-    with device_guard(parts.device):
-        if compiled is not None:
-            compiled[(1, 1, 1)](*args, *constexprs)
-            return
-        compiled = _release_norm_kernel[(1,)](
-            *args,
-            SQUARED=constexprs[0],
-            USE_SHARE=constexprs[1],
-            HAS_PREV=constexprs[2],
-            CLIP=constexprs[3],
-            BLOCK=BLOCK,
-            num_warps=1,
-            enable_fp_fusion=False,
-        )
-    if not INTERPRETED:
-        _compiled[key] = compiled
+    key = (parts.device, coef_lo.dtype, *constexprs.values())
+    _launch(_release_norm_kernel, key, 1, args, constexprs, parts.device, num_warps=1)
 
 
 def grad_sumsq_(plans) -> torch.Tensor:
@@ -178,23 +183,10 @@ def grad_sumsq_(plans) -> torch.Tensor:
         parts.append(out)
         if programs == 0:
             continue
-        constexprs = (_TL_DTYPES[plan.grad_dtype], plan.rows, plan.grads_aligned, SUMSQ_GROUP)
+        constexprs = dict(
+            G_DTYPE=_TL_DTYPES[plan.grad_dtype], ROWS=plan.rows, ALIGNED=plan.grads_aligned, GROUP=SUMSQ_GROUP
+        )
         args = (plan.cstart, plan.gfirst, plan.addr, plan.numel, plan.num_work, plan.num_tensors, out)
-        key = (plan.device, constexprs)
-        compiled = _compiled_sumsq.get(key)
-        with device_guard(plan.device):
-            if compiled is not None:
-                compiled[(programs, 1, 1)](*args, *constexprs)
-                continue
-            compiled = _grad_sumsq_kernel[(programs,)](
-                *args,
-                G_DTYPE=constexprs[0],
-                ROWS=constexprs[1],
-                ALIGNED=constexprs[2],
-                GROUP=constexprs[3],
-                num_warps=max(1, plan.rows),
-                enable_fp_fusion=False,
-            )
-        if not INTERPRETED:
-            _compiled_sumsq[key] = compiled
+        key = (plan.device, *constexprs.values())
+        _launch(_grad_sumsq_kernel, key, programs, args, constexprs, plan.device, num_warps=plan.rows)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
