@@ -277,8 +277,8 @@ class GradientRelease:
 
     def prepare_backward(self, loss: torch.Tensor, models) -> int:
         """Before a backward pass (``ApexW.before_backward``): hook the first use of each tied weight of ``models``
-        in the graph of ``loss`` for the offload."""
-        self.sync_hooks()
+        in the graph of ``loss`` for the offload (among the parameters hooked at construction or the last
+        ``step()``, or before this pass by Accelerate's ``backward``)."""
         with self._lock:
             return self.offload.prepare(loss, models, set(self._handles))
 

@@ -14,7 +14,8 @@ Halfway through the backward pass (by the share of the last step's gradient elem
 copied back on the side stream, where the activations freed by then leave room; when the weight's gradient is complete
 (the embedding's part, accumulated by autograd) the part is added to it in place. bf16 addition of two numbers is
 commutative, so the sum has the bits autograd's own sum of the two parts has, and the update is the same (tested).
-If the weight gets no other gradient in a backward pass, the part alone is its gradient, at the end of the pass.
+If the weight gets no other gradient in a backward pass, the part alone is its gradient: autograd completes the
+weight's gradient right after that node (nothing is saved then), or the end of the pass applies it.
 
 Only parameters registered under two names of the model (``named_parameters(remove_duplicate=False)``) are offloaded,
 and only contiguous CUDA gradients of plain tensors (not FSDP2's DTensor shards). The search needs the loss and the
@@ -25,6 +26,7 @@ model before ``backward()``: Accelerate's ``backward`` (so the Trainer) passes t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import warnings
 import weakref
 
@@ -55,16 +57,27 @@ def tied_parameters(models) -> list[torch.Tensor]:
     return [params[i] for i, n in seen.items() if n > 1]
 
 
+@dataclasses.dataclass
+class _Part:
+    """One offloaded gradient part of this pass."""
+
+    param: torch.Tensor
+    host: torch.Tensor  # the pinned host buffer (a CPU copy in tests)
+    out: torch.cuda.Event | None  # recorded after the copy out (None: a CPU copy)
+    transposed: bool  # the buffer holds the part's transpose
+    dev: torch.Tensor | None = None  # the copy back on the device, once started
+    back: torch.cuda.Event | None = None  # recorded after the copy back
+
+
 class TiedGradOffload:
     """The host buffers, streams and this step's offloaded gradient parts of one :class:`GradientRelease`."""
 
     def __init__(self):
-        self._tied: dict[int, tuple[weakref.ref, list[torch.Tensor]]] = {}  # id(model) -> (model, its tied params)
+        # the models last asked about (weak references) and their tied parameters
+        self._tied: tuple[list[weakref.ref], list[torch.Tensor]] = ([], [])
         self._host: dict[int, torch.Tensor] = {}  # id(param) -> its pinned host buffer
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        # id(param) -> [param, host buffer, event after the copy out, device tensor or None, event after the copy in,
-        # whether the buffer holds the part's transpose]
-        self._parts: dict[int, list] = {}
+        self._parts: dict[int, _Part] = {}  # id(param) -> this pass's offloaded part
         self.offloaded = 0  # gradient parts offloaded since construction (a diagnostic)
         self._warned = False  # said once that some tied weight, or none, can be offloaded
         self.prepared = False  # before_backward ran for the coming (or running) backward pass
@@ -73,13 +86,12 @@ class TiedGradOffload:
     # ---- before backward ---------------------------------------------------------------------------------------
 
     def _tied_of(self, models) -> list[torch.Tensor]:
-        key = tuple(id(m) for m in (models if isinstance(models, (list, tuple)) else [models]))
-        entry = self._tied.get(key)
-        if entry is not None and all(r() is not None for r in entry[0]):
-            return entry[1]
-        mods = list(models) if isinstance(models, (list, tuple)) else [models]
-        tied = tied_parameters(mods)
-        self._tied = {key: ([weakref.ref(m) for m in mods], tied)}
+        """``tied_parameters(models)``, searched again only for other models than the last call's."""
+        models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        refs, tied = self._tied
+        if len(refs) != len(models) or any(r() is not m for r, m in zip(refs, models)):
+            tied = tied_parameters(models)
+            self._tied = ([weakref.ref(m) for m in models], tied)
         return tied
 
     def prepare(self, loss: torch.Tensor, models, hooked: set[int]) -> int:
@@ -148,9 +160,10 @@ class TiedGradOffload:
                 return None  # autograd keeps this part, as without offload
             # an output layer's weight.t() hands its part over as the transpose of a contiguous tensor
             transposed = not g.is_contiguous() and g.dim() == 2 and g.t().is_contiguous()
-            if not _offloadable(g.t() if transposed else g):
+            src = g.t() if transposed else g
+            if not _offloadable(src):
                 return None
-            offload._copy_out(p, g.t() if transposed else g, transposed)
+            offload._copy_out(p, src, transposed)
             return tuple(None if j == i else x for j, x in enumerate(grad_inputs))
 
         return hook
@@ -163,7 +176,7 @@ class TiedGradOffload:
 
     def _copy_out(self, p: torch.Tensor, g: torch.Tensor, transposed: bool) -> None:
         if not g.is_cuda:  # CPU gradients, in tests only (see _offloadable): a copy, no streams
-            self._parts[id(p)] = [p, g.clone(), None, None, None, transposed]
+            self._parts[id(p)] = _Part(p, g.clone(), None, transposed)
             self.offloaded += 1
             return
         buf = self._host.get(id(p))
@@ -176,7 +189,7 @@ class TiedGradOffload:
             out = torch.cuda.Event()
             out.record(stream)
         g.record_stream(stream)  # its memory is reused only once the copy is done
-        self._parts[id(p)] = [p, buf, out, None, None, transposed]
+        self._parts[id(p)] = _Part(p, buf, out, transposed)
         self.offloaded += 1
 
     # ---- during backward ---------------------------------------------------------------------------------------
@@ -184,22 +197,24 @@ class TiedGradOffload:
     def prefetch(self) -> None:
         """Start copying every offloaded part back to its device (on the side stream), if not started."""
         for part in self._parts.values():
-            if part[3] is not None:
-                continue
-            p, buf, out = part[0], part[1], part[2]
-            if out is None:  # a CPU copy (tests)
-                part[3] = buf
-                continue
-            stream = self._stream(p.device)
-            dev = torch.empty(buf.shape, dtype=buf.dtype, device=p.device)
-            stream.wait_stream(torch.cuda.current_stream(p.device))  # the allocation, on the current stream
-            with torch.cuda.stream(stream):
-                stream.wait_event(out)
-                dev.copy_(buf, non_blocking=True)
-                back = torch.cuda.Event()
-                back.record(stream)
-            dev.record_stream(stream)
-            part[3], part[4] = dev, back
+            if part.dev is None:
+                self._copy_in(part)
+
+    def _copy_in(self, part: _Part) -> None:
+        if part.out is None:  # a CPU copy (tests)
+            part.dev = part.host
+            return
+        device = part.param.device
+        stream = self._stream(device)
+        dev = torch.empty(part.host.shape, dtype=part.host.dtype, device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the allocation, on the current stream
+        with torch.cuda.stream(stream):
+            stream.wait_event(part.out)
+            dev.copy_(part.host, non_blocking=True)
+            back = torch.cuda.Event()
+            back.record(stream)
+        dev.record_stream(stream)
+        part.dev, part.back = dev, back
 
     def take(self, p: torch.Tensor) -> torch.Tensor | None:
         """``p``'s offloaded part on its device, ready to use on the current stream (None if none); shaped like
@@ -207,17 +222,15 @@ class TiedGradOffload:
         part = self._parts.pop(id(p), None)
         if part is None:
             return None
-        if part[3] is None:
-            self._parts[id(p)] = part
-            self.prefetch()
-            part = self._parts.pop(id(p))
-        if part[4] is not None:
-            torch.cuda.current_stream(p.device).wait_event(part[4])
-        return part[3].t() if part[5] else part[3]
+        if part.dev is None:
+            self._copy_in(part)
+        if part.back is not None:
+            torch.cuda.current_stream(p.device).wait_event(part.back)
+        return part.dev.t() if part.transposed else part.dev
 
     def pending(self) -> list[torch.Tensor]:
         """The parameters whose offloaded part is still waiting (their gradient never completed in this pass)."""
-        return [part[0] for part in self._parts.values()]
+        return [part.param for part in self._parts.values()]
 
     def drop(self) -> None:
         """Forget this pass's parts (a step given up)."""
