@@ -88,6 +88,11 @@ class TiedGradOffload:
     def _tied_of(self, models) -> list[torch.Tensor]:
         """``tied_parameters(models)``, searched again only for other models than the last call's."""
         models = [models] if isinstance(models, torch.nn.Module) else list(models)
+        if not all(isinstance(m, torch.nn.Module) for m in models):
+            raise TypeError(
+                "before_backward(loss, model): model must be the torch.nn.Module being trained, or a list of them; "
+                f"got {[type(m).__name__ for m in models]}"
+            )
         refs, tied = self._tied
         if len(refs) != len(models) or any(r() is not m for r, m in zip(refs, models)):
             tied = tied_parameters(models)

@@ -732,6 +732,8 @@ def test_tied_grad_offload_leaves_untied_weights_and_other_settings_alone(offloa
     assert plain.before_backward(loss_of(model, 0), model) == 0  # without the option: nothing to do
     with pytest.raises(ValueError, match="tied_grad_offload=True is for gradient_release=True"):
         ApexW(groups(make()), tied_grad_offload=True)
+    with pytest.raises(TypeError, match=r"model must be the torch.nn.Module being trained.*\['Parameter'\]"):
+        opt.before_backward(loss_of(model, 0), [model.emb.weight])
     with pytest.raises(TypeError, match="tied_grad_offload must be a bool"):
         ApexW(groups(make()), gradient_release=True, tied_grad_offload="yes")
 
