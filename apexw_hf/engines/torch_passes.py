@@ -482,10 +482,9 @@ def log_warp_(b: Buffers, c: Consts, x: torch.Tensor) -> None:
     d.copy_(f)
     torch.mul(d, c.log_c, out=t).add_(c.log_b)
     x.copy_(t)  # x is free now: its bits are in e and f
-    t.copy_(x).mul_(d).add_(c.log_a)
-    x.copy_(t)
-    t.copy_(x).mul_(d).add_(c.one)
-    x.copy_(t)
+    for coef in (c.log_a, c.one):
+        t.copy_(x).mul_(d).add_(coef)
+        x.copy_(t)
     xi.sub_(c.one_bits).add_(e)
 
 
