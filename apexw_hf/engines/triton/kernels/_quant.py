@@ -279,8 +279,8 @@ def v4_warp_scaled_bits(y, one_f32):
     and maximum per element that the clamp to [0, 1] otherwise folds away).
     """
     b = f32_bits(y)
-    f = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True) - 1.0
-    w = tl.fma(f, tl.fma(f, tl.fma(f, V4_LOG_C, V4_LOG_B), V4_LOG_A), 1.0)
+    x1 = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)
+    w = tl.fma(x1, tl.fma(x1, tl.fma(x1, 168 / 1024, -1125 / 1024), 3223 / 1024), -1242 / 1024)
     x = ((b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)).to(tl.int32, bitcast=True)
     return tl.maximum(x, 0).to(tl.uint32, bitcast=True)
 
