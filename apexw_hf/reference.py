@@ -320,8 +320,10 @@ V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
 V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
 M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
-# v4_log_warp
+# v4_log_warp; 1 + f * (A + ...) as the cubic in x = 1 + f that v4_log_warp evaluates: X3 = C, X2 = B - 3C,
+# X1 = A - 2B + 3C, X0 = 1 - A + B - C (exact too)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
+V4_LOG_X3, V4_LOG_X2, V4_LOG_X1, V4_LOG_X0 = 168 / 1024, -1125 / 1024, 3223 / 1024, -1242 / 1024
 
 
 def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:
@@ -432,26 +434,30 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
 
 def v4_log_warp(y: torch.Tensor) -> torch.Tensor:
     """Map each non-negative fp32 ``y`` within its binade so that stochastic rounding of the result between the two
-    powers of two around it is unbiased in ``log2(y)`` (to a quadratic's accuracy), not in ``y``: with ``y = 2**e * (1
-    + f)``, the result is ``2**e * (1 + f * (A + f * (B + C * f)))`` with ``A, B, C = 1477, -621, 168 / 1024``, in
-    fp32, as three fused multiply-adds (``fma(f, fma(f, fma(C, f, B), A), 1)``, each rounded once): a cubic of
-    ``log2(1 + f)`` exact at ``f = 0`` and 1, within 0.006 between, with the slopes of ``log2`` at both ends (within
-    0.3%: the rates at which a ``v`` just below or above a code leaves it, hence the rate of decay). Powers of two (the
-    codes) and 0 stay.
+    powers of two around it is unbiased in ``log2(y)`` (to a quadratic's accuracy), not in ``y``: with ``y = 2**e *
+    x``, ``x = 1 + f`` in [1, 2), the result is ``2**e * w``, ``w`` the cubic ``1 + f * (A + f * (B + C * f))`` with
+    ``A, B, C = 1477, -621, 168 / 1024``, written in ``x`` (``X3, X2, X1, X0 = 168, -1125, 3223, -1242 / 1024``) and
+    computed in fp32 as three fused multiply-adds, each rounded once: ``w = fma(x, fma(x, fma(x, X3, X2), X1), X0)``.
+    ``w - 1`` is ``log2(1 + f)`` exactly at ``f = 0`` and 1, within 0.006 between, with the slopes of ``log2`` at both
+    ends (within 0.3%: the rates at which a ``v`` just below or above a code leaves it, hence the rate of decay).
+    Powers of two (the codes) and 0 stay.
 
     Why: rounding unbiased in ``v`` leaves ``E[1/sqrt(v)]`` too large by Jensen's inequality (the update 11% too
     large after a burst of large gradients, whose rounding noise the codes then keep), rounding unbiased in
     ``1/sqrt(v)`` inflates ``v``'s average instead (5% too small); unbiased in ``log2(v)`` sits between (2-3% too
     small, ``tests/optim/test_update_scale.py``). Integer work on the bits: the exponent field is kept, the mantissa
     replaced, so it commutes with scaling by powers of two and maps subnormals to subnormals (> 0 stays > 0).
-    The fused form (since 2026-12-05) is what the kernels compute cheapest; against the operation-by-operation form
-    before it differs in 22% of the 2**23 mantissas, by at most 2 ulps, and stays monotone. (The same cubic expanded
-    in ``1 + f`` would save the kernel the subtraction of 1.0, but its cancellation leaves it non-monotone by up to 3
-    ulps.)
+
+    The form in ``x`` (since 2026-12-05; before it, the same cubic in ``f``) is what the kernels compute cheapest: the
+    mantissa with 1.0's exponent is ``x`` itself, with no subtraction of 1.0. Its last fused multiply-add cancels
+    (``X0`` against a product from 2.2 to 3.2), so ``w`` is within 3 ulps of the form in ``f`` and, from one of the
+    2**23 mantissas to the next, falls by one ulp at 421,523 of them (5%): monotone to one ulp (2**-23 of a binade).
+    The rounding reads ``w`` to 16 bits, so the probability of rounding up falls, by 2**-16, at 3,341 of those steps
+    (``tests/optim/test_reference_4bit.py``).
     """
     bits = y.view(torch.int32).to(torch.int64)
-    f = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32) - 1.0
-    w = _fma32(f, _fma32(f, _fma32(f, torch.tensor(V4_LOG_C, dtype=torch.float32), V4_LOG_B), V4_LOG_A), 1.0)
+    x = ((bits & 0x7FFFFF) | 0x3F800000).to(torch.int32).view(torch.float32)
+    w = _fma32(x, _fma32(x, _fma32(x, torch.tensor(V4_LOG_X3, dtype=torch.float32), V4_LOG_X2), V4_LOG_X1), V4_LOG_X0)
     out = (bits & 0x7F800000) + (w.view(torch.int32).to(torch.int64) - 0x3F800000)
     return out.to(torch.int32).view(torch.float32)
 

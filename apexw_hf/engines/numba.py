@@ -113,8 +113,7 @@ M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
 M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
 V4_RMASK, S1 = u32(((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT), u32(1)
 F32_NAN_BITS = u32(0x7FC00000)
-V4_LOG_A, V4_LOG_B, V4_LOG_C = np.float64(ref.V4_LOG_A), np.float64(ref.V4_LOG_B), np.float64(ref.V4_LOG_C)
-F64_ONE = np.float64(1.0)
+V4_LOG_X = tuple(map(np.float64, (ref.V4_LOG_X3, ref.V4_LOG_X2, ref.V4_LOG_X1, ref.V4_LOG_X0)))
 EXP_MASK, MANT_MASK, ONE_F32_BITS = u32(0x7F800000), u32(0x7FFFFF), u32(0x3F800000)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
@@ -159,8 +158,9 @@ def inverse_f32(scale_bits):
 def log_warp(y):
     """``reference.v4_log_warp`` of one fp32 ``y >= 0``."""
     b = f32_bits(y)
-    f = bits_f32((b & MANT_MASK) | ONE_F32_BITS) - F_ONE
-    w = fma32(f, fma32(f, fma32(f, V4_LOG_C, V4_LOG_B), V4_LOG_A), F64_ONE)
+    x = bits_f32((b & MANT_MASK) | ONE_F32_BITS)
+    x3, x2, x1, x0 = V4_LOG_X
+    w = fma32(x, fma32(x, fma32(x, x3, x2), x1), x0)
     return bits_f32(u32((b & EXP_MASK) + u32(f32_bits(w) - ONE_F32_BITS)))
 
 

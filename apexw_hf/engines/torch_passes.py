@@ -120,7 +120,7 @@ class Consts:
         self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
         # reference.v4_log_warp
         self.exp_mask, self.mant_mask, self.one_bits = i(0x7F800000), i(0x7FFFFF), i(0x3F800000)
-        self.log_a, self.log_b, self.log_c = f(ref.V4_LOG_A), f(ref.V4_LOG_B), f(ref.V4_LOG_C)
+        self.log_x = [f(x) for x in (ref.V4_LOG_X3, ref.V4_LOG_X2, ref.V4_LOG_X1, ref.V4_LOG_X0)]
         # 4-bit decoding: the byte in both rows, m's nibble to bits 12-15 and v's to 12-15, then an arithmetic shift
         # by 2 puts each code in the fp16 exponent (m's sign also lands on bits 13-15: kept in 15, cleared in 13-14)
         self.dec4_shift_col = col([12, 8], torch.int16)
@@ -474,15 +474,15 @@ def log_warp_(b: Buffers, c: Consts, x: torch.Tensor) -> None:
     xi = x.view(torch.int32)
     torch.bitwise_and(xi, c.exp_mask, out=e)
     fi = f.view(torch.int32)
-    torch.bitwise_and(xi, c.mant_mask, out=fi).bitwise_or_(c.one_bits)
-    f.sub_(c.one)  # f, exactly
-    # fma(f, fma(f, fma(f, C, B), A), 1): each fused multiply-add in fp64 (exact there) and rounded once to fp32
+    torch.bitwise_and(xi, c.mant_mask, out=fi).bitwise_or_(c.one_bits)  # 1 + f
+    # fma(x, fma(x, fma(x, X3, X2), X1), X0): each fused multiply-add in fp64 (exact there) and rounded once to fp32
     d = b.typed("warp_d", torch.float64)
     t = b.typed("warp_t", torch.float64)
     d.copy_(f)
-    torch.mul(d, c.log_c, out=t).add_(c.log_b)
+    x3, x2, x1, x0 = c.log_x
+    torch.mul(d, x3, out=t).add_(x2)
     x.copy_(t)  # x is free now: its bits are in e and f
-    for coef in (c.log_a, c.one):
+    for coef in (x1, x0):
         t.copy_(x).mul_(d).add_(coef)
         x.copy_(t)
     xi.sub_(c.one_bits).add_(e)

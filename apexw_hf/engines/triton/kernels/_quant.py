@@ -54,7 +54,7 @@ M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
 # the word as they are, half a unit at bit 5.
 V4_RAND_MASK, V4_HALF = tl.constexpr(0xFFFF << 6), tl.constexpr(1 << 5)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
-V4_LOG_A, V4_LOG_B, V4_LOG_C = tl.constexpr(1477 / 1024), tl.constexpr(-621 / 1024), tl.constexpr(168 / 1024)
+V4_LOG_X3, V4_LOG_X2, V4_LOG_X1, V4_LOG_X0 = (tl.constexpr(c / 1024) for c in (168, -1125, 3223, -1242))
 
 
 @triton.jit
@@ -263,13 +263,13 @@ def dequant_mv4_words(w, m_scale_bits, v_scale):
 @triton.jit
 def v4_warp_scaled_bits(y, one_f32):
     """The fp32 bits of ``reference.v4_log_warp(y) * 2**-112`` for fp32 ``2**-14 <= y <= 1``, bit for bit: the
-    mantissa ``f`` replaced by that of ``fma(f, fma(f, fma(f, C, B), A), 1)`` (``tl.fma``: one rounding each, as the
-    reference's), the exponent field moved down by 112 as an integer; for smaller ``y >= 0`` bits that give code 0 or
-    1, as the reference's subnormal product does.
+    mantissa replaced by that of ``w = fma(x, fma(x, fma(x, X3, X2), X1), X0)``, ``x`` the mantissa with 1.0's
+    exponent (``tl.fma``: one rounding each, as the reference's), the exponent field moved down by 112 as an integer;
+    for smaller ``y >= 0`` bits that give code 0 or 1, as the reference's subnormal product does.
 
     ``one_f32``: the bits of 1.0 (0x3F800000, uint32) in a register the compiler cannot see as a constant (as ``one``
     in :func:`quant_m`), so that the mantissa is masked and given 1.0's exponent in one LOP3. The warp's result,
-    ``2**e * w`` with ``w = fma(...)`` in [1, 2], times ``2**-112``, has the bits of ``w`` plus ``(e - 112) << 23``
+    ``2**e * w`` with ``w`` in [1, 2], times ``2**-112``, has the bits of ``w`` plus ``(e - 112) << 23``
     (``w = 2`` included: the exponent goes up by one, as the reference's integer sum carries into it): exact for
     ``y >= 2**-14``, whose product is normal. For ``2**-15 <= y < 2**-14`` the bits are ``w``'s mantissa alone (the
     exponent field 0), a code of 0 or 1 after the random offset, where the reference's product is a subnormal and
@@ -279,10 +279,10 @@ def v4_warp_scaled_bits(y, one_f32):
     and maximum per element that the clamp to [0, 1] otherwise folds away).
     """
     b = f32_bits(y)
-    x1 = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)
-    w = tl.fma(x1, tl.fma(x1, tl.fma(x1, 168 / 1024, -1125 / 1024), 3223 / 1024), -1242 / 1024)
-    x = ((b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)).to(tl.int32, bitcast=True)
-    return tl.maximum(x, 0).to(tl.uint32, bitcast=True)
+    x = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)
+    w = tl.fma(x, tl.fma(x, tl.fma(x, V4_LOG_X3, V4_LOG_X2), V4_LOG_X1), V4_LOG_X0)
+    s = ((b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)).to(tl.int32, bitcast=True)
+    return tl.maximum(s, 0).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
