@@ -7,8 +7,8 @@ one 32-bit ``key`` per (seed, tensor index, step, stream)::
     key        = mix32(mix32(tensor_key ^ mix32(step)) + stream * STREAM_MUL)
 
 ``reference.py`` expands this per element in PyTorch, the Triton kernels on the device
-(``engines/triton/kernels/_rounding.py`` takes its constants from here), and the plain-PyTorch engine per chunk. This module imports nothing, so it sits below
-every layer (the kernels may import it).
+(``engines/triton/kernels/_rounding.py`` takes its constants from here), and the plain-PyTorch engine per chunk. This
+module imports nothing, so it sits below every layer (the kernels may import it).
 """
 
 MASK32 = 0xFFFFFFFF

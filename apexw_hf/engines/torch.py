@@ -304,7 +304,7 @@ class _Layout:
         # moments: the chunk's own buffers (_flatten); copied in and out only for segments that do not live there
         mom, (scl, parts), moved = ch.flat
         rest = [seg for j, seg in enumerate(ch.segs) if j not in moved]
-        n, nb = ch.length, ch.length // blk if blk else 0
+        n = ch.length
         dst, src = [], []
         for key, at in zip(moment_keys(fmt), (0, n)):
             for seg in rest:

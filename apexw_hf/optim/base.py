@@ -64,8 +64,8 @@ class ApexW(torch.optim.Optimizer):
             works). Per optimizer, not per param group.
         max_grad_norm: with ``gradient_release``, clip the gradients to this global norm in backward, using an
             estimate of the step's norm from the part released so far and that part's share of the previous step's
-            norm (see :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual, with
-            ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
+            norm (see :mod:`apexw_hf.optim.release`); ``None`` (default) does not clip. Without release clip as usual,
+            with ``torch.nn.utils.clip_grad_norm_`` before ``step()``.
         release_bucket_size: with ``gradient_release``, the number of gradient elements that wait for one launch
             (a sharded parameter counts its global size over its shard count, the same on every rank). ``None``
             (default): 2**25 at the start of each backward pass, growing to 4 x 2**25 by its end, where the
