@@ -40,8 +40,8 @@ def _fsdp_train(rank, world, store, out, fmt):
         if k.startswith("exp_avg")
     )
     # each rank's tensors: codes or moments shaped like its shard, scales padded to the largest shard's block count;
-    # their bytes exactly (the moments' bytes per element, per padded block 2 bf16 scales for 8bit, a bf16 m and an fp32
-    # v scale for 4bit, an fp32 step per tensor)
+    # their bytes exactly (the moments' bytes per element, per padded block 2 bf16 scales for 8bit, a bf16 m and an
+    # fp32 v scale for 4bit, an fp32 step per tensor)
     block = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}.get(fmt)
     expected_bytes = 0
     for p in model.parameters():
