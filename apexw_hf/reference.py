@@ -320,10 +320,10 @@ V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
 V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
 M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
-# v4_log_warp; 1 + f * (A + ...) as the cubic in x = 1 + f that v4_log_warp evaluates: X3 = C, X2 = B - 3C,
-# X1 = A - 2B + 3C, X0 = 1 - A + B - C (exact too)
+# v4_log_warp; 1 + f * (A + ...) as the cubic in x = 1 + f that v4_log_warp evaluates (X3..X0, exact in fp64)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
-V4_LOG_X3, V4_LOG_X2, V4_LOG_X1, V4_LOG_X0 = 168 / 1024, -1125 / 1024, 3223 / 1024, -1242 / 1024
+V4_LOG_X3, V4_LOG_X2 = V4_LOG_C, V4_LOG_B - 3 * V4_LOG_C  # 168, -1125 / 1024
+V4_LOG_X1, V4_LOG_X0 = V4_LOG_A - 2 * V4_LOG_B + 3 * V4_LOG_C, 1 - V4_LOG_A + V4_LOG_B - V4_LOG_C  # 3223, -1242 / 1024
 
 
 def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:
