@@ -614,9 +614,11 @@ _FOLD_CLIP = True
 _CUDA_KERNELS: list = []  # engines.triton.kernels.release_norm where it runs on CUDA tensors, else None; at first use
 
 
-def _cuda_kernels():
-    """The release norm kernels' module for CUDA gradients, or None: without triton (``engine="torch"`` needs none) or
-    under the Triton interpreter (which runs kernels on CPU tensors only)."""
+def _cuda_kernels(device: torch.device):
+    """The release norm kernels' module for gradients on ``device``, or None: off CUDA, without triton
+    (``engine="torch"`` needs none) or under the Triton interpreter (which runs kernels on CPU tensors only)."""
+    if device.type != "cuda":
+        return None
     if not _CUDA_KERNELS:
         try:
             kernel = importlib.import_module("apexw_hf.engines.triton.kernels.release_norm")
@@ -639,14 +641,14 @@ def _plan_sumsq(opt, group: dict, params: list[torch.Tensor], grads: list[torch.
 
 def _sumsq_impl(device: torch.device) -> Callable | None:
     """``grad_sumsq_`` for CUDA gradients where the Triton kernels run; None elsewhere."""
-    kernels = _cuda_kernels() if device.type == "cuda" else None
+    kernels = _cuda_kernels(device)
     return None if kernels is None else kernels.grad_sumsq_
 
 
 def _norm_impl(device: torch.device) -> Callable:
     """The bucket norm bookkeeping for gradients on ``device``: one kernel launch on a GPU where the Triton kernels
     run, PyTorch operations elsewhere."""
-    kernels = _cuda_kernels() if device.type == "cuda" else None
+    kernels = _cuda_kernels(device)
     return release_norm_torch if kernels is None else kernels.release_norm_
 
 
