@@ -9,6 +9,23 @@ from ..optim.test_gradient_release import groups, make, train
 from .helpers import DEVICE
 
 
+def _released(fmt: str, clip: float | None):
+    """A model trained 3 steps by the Triton engine with gradient release in buckets of 700 elements, clipped to
+    ``clip``: (model, optimizer)."""
+    model = make().to(DEVICE)
+    opt = ApexW(
+        groups(model),
+        lr=2e-2,
+        state_format=fmt,
+        engine="triton",
+        gradient_release=True,
+        max_grad_norm=clip,
+        release_bucket_size=700,
+    )
+    train(model, opt, 3)
+    return model, opt
+
+
 @pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_release_on_the_triton_engine_is_bit_identical(fmt):
     a, b = make().to(DEVICE), make().to(DEVICE)
@@ -35,18 +52,7 @@ def test_release_with_clipping_through_the_norm_kernel(fmt, monkeypatch):
     runs = []
     for impl in (release.release_norm_torch, release_norm_):
         monkeypatch.setattr(release, "_norm_impl", lambda device, impl=impl: impl)
-        model = make().to(DEVICE)
-        opt = ApexW(
-            groups(model),
-            lr=2e-2,
-            state_format=fmt,
-            engine="triton",
-            gradient_release=True,
-            max_grad_norm=0.05,
-            release_bucket_size=700,
-        )
-        train(model, opt, 3)
-        runs.append((model, opt))
+        runs.append(_released(fmt, 0.05))
     (a, oa), (b, ob) = runs
     assert oa._release.flushes > 6 and oa.grad_norm.item() > 0.05  # clipping acted
     torch.testing.assert_close(oa.grad_norm, ob.grad_norm, rtol=1e-6, atol=0)
@@ -82,18 +88,7 @@ def test_release_norm_through_the_launch_plans(fmt, monkeypatch):
     for impl in (None, counted):
         monkeypatch.setattr(release, "_sumsq_impl", lambda device, impl=impl: impl)
         for clip in (None, 0.05):
-            model = make().to(DEVICE)
-            opt = ApexW(
-                groups(model),
-                lr=2e-2,
-                state_format=fmt,
-                engine="triton",
-                gradient_release=True,
-                max_grad_norm=clip,
-                release_bucket_size=700,
-            )
-            train(model, opt, 3)
-            runs.append((model, opt))
+            runs.append(_released(fmt, clip))
     (a, oa), (ac, oac), (b, ob), (bc, obc) = runs
     # every bucket inside backward took the plans (one plan each: one dtype), the end-of-backward flush of both groups
     # the per-tensor norms
@@ -113,17 +108,7 @@ def test_release_norm_through_the_launch_plans(fmt, monkeypatch):
     # the clip there went to the update kernel (its gradient load); multiplying the gradients in place first, as the
     # per-tensor path does, gives the same bits
     monkeypatch.setattr(release, "_FOLD_CLIP", False)
-    model = make().to(DEVICE)
-    opt = ApexW(
-        groups(model),
-        lr=2e-2,
-        state_format=fmt,
-        engine="triton",
-        gradient_release=True,
-        max_grad_norm=0.05,
-        release_bucket_size=700,
-    )
-    train(model, opt, 3)
+    model, opt = _released(fmt, 0.05)
     assert torch.equal(opt.grad_norm, obc.grad_norm)
     for p, q in zip(model.parameters(), bc.parameters()):
         assert torch.equal(p, q)
