@@ -8,6 +8,7 @@
 # $OUT/step_h200.json (+ .log), $OUT/smoke.tgz (+ smoke.txt).
 set -uo pipefail
 out=${1:?output folder}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 UNSLOTH_DISABLE_STATISTICS=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv | tee "$out/gpu.txt"
