@@ -155,6 +155,11 @@ def run_workload(name, variants, v1, rounds, launches):
                 registers=getattr(kern, "n_regs", None),
                 spill_bytes=getattr(kern, "n_spills", None),
                 bits_equal_to_default_plan=None if k == "v1" else same[k],
+                # the median over rounds of this round's time / version 1's time in the same round: pairs the two
+                # kernels round by round, so drift between rounds cancels (the ratio of the two medians does not)
+                paired_ratio_v1=(
+                    statistics.median(a / b for a, b in zip(meds[k], meds["v1"])) if "v1" in meds else None
+                ),
             )
         )
     return rows
@@ -184,7 +189,7 @@ def main() -> None:
     )
     print(f"{env['gpu']}  torch {env['torch']}  triton {env['triton']}  commit {env['git_commit']}  {env['date']}")
     print(
-        f"{'workload':26s} {'kernel':6s} {'tile':>5s} {'cap':>4s} {'ms':>8s} {'x v1':>6s} {'regs':>5s} "
+        f"{'workload':26s} {'kernel':6s} {'tile':>5s} {'cap':>4s} {'ms':>8s} {'x v1':>6s} {'paired':>6s} {'regs':>5s} "
         f"{'spill':>6s} bits"
     )
     for w in args.workloads:
@@ -196,10 +201,11 @@ def main() -> None:
         base = next((r["median_ms"] for r in rows if r["kernel"].startswith("version 1")), None)
         for r in rows:
             ratio = f"{r['median_ms'] / base:6.3f}" if base else "     -"
+            paired = "     -" if r["paired_ratio_v1"] is None else f"{r['paired_ratio_v1']:6.3f}"
             bits = {None: "-", True: "same", False: "DIFFERENT"}[r["bits_equal_to_default_plan"]]
             print(
                 f"{r['workload']:26s} {'v1' if r['kernel'].startswith('version 1') else 'v2':6s} "
-                f"{r['rows']}x{r['num_warps']:<3d} {str(r['maxnreg']):>4s} {r['median_ms']:8.3f} {ratio} "
+                f"{r['rows']}x{r['num_warps']:<3d} {str(r['maxnreg']):>4s} {r['median_ms']:8.3f} {ratio} {paired} "
                 f"{str(r['registers']):>5s} {str(r['spill_bytes']):>6s} {bits}",
                 flush=True,
             )
