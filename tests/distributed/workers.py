@@ -9,9 +9,8 @@ import torch.distributed as dist
 
 
 def init(rank, world, store_file):
-    """Join the gloo group. Each rank computes on one thread: the ranks share the machine's cores (2 on CI), and
-    the tests compare runs bit for bit, which CPU math split over however many threads a loaded machine gives
-    cannot promise (a resume-exactness case once failed in CI with two threads per rank; not reproduced in 72 runs)."""
+    """Join the gloo group, computing on one thread: the ranks share the machine's cores (2 on CI), so more threads
+    per rank only oversubscribe them."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
