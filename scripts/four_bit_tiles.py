@@ -155,14 +155,18 @@ def run_workload(name, variants, v1, rounds, launches):
                 registers=getattr(kern, "n_regs", None),
                 spill_bytes=getattr(kern, "n_spills", None),
                 bits_equal_to_default_plan=None if k == "v1" else same[k],
-                # the median over rounds of this round's time / version 1's time in the same round: pairs the two
-                # kernels round by round, so drift between rounds cancels (the ratio of the two medians does not)
-                paired_ratio_v1=(
-                    statistics.median(a / b for a, b in zip(meds[k], meds["v1"])) if "v1" in meds else None
-                ),
+                paired_ratio_v1=paired_ratio(meds[k], meds["v1"]) if "v1" in meds else None,
             )
         )
     return rows
+
+
+def paired_ratio(times: list[float], base: list[float]) -> float:
+    """The median over rounds of each round's ``times[i] / base[i]``: the two kernels paired round by round, so
+    drift between rounds cancels (the ratio of the two medians does not)."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired_ratio: {len(times)} rounds against {len(base)}")
+    return statistics.median(a / b for a, b in zip(times, base))
 
 
 def main() -> None:

@@ -34,3 +34,12 @@ def test_a_v1_folder_without_version_1_kernels_is_refused(tmp_path):
     (tmp_path / "apexw_hf").mkdir()
     with pytest.raises(SystemExit, match="has no kernels/launch.py"):
         _load().load_v1(tmp_path)
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio():
+    tiles = _load()
+    # round 2 is slow for version 2, round 3 for version 1: the rounds' ratios are 1.0, 1.2 and 0.917 (median 1.0),
+    # while the ratio of the two medians is 1.1 / 1.0
+    assert tiles.paired_ratio([1.0, 1.2, 1.1], [1.0, 1.0, 1.2]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="2 rounds against 3"):
+        tiles.paired_ratio([1.0, 1.0], [1.0, 1.0, 1.0])
