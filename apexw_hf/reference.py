@@ -324,6 +324,7 @@ M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
 V4_LOG_X3, V4_LOG_X2 = V4_LOG_C, V4_LOG_B - 3 * V4_LOG_C  # 168, -1125 / 1024
 V4_LOG_X1, V4_LOG_X0 = V4_LOG_A - 2 * V4_LOG_B + 3 * V4_LOG_C, 1 - V4_LOG_A + V4_LOG_B - V4_LOG_C  # 3223, -1242 / 1024
+V4_LOG_X = (V4_LOG_X3, V4_LOG_X2, V4_LOG_X1, V4_LOG_X0)  # highest power first, as the engines take them
 
 
 def _rand_offset(bits: torch.Tensor, shift: int, nbits: int, drop: int) -> torch.Tensor:

@@ -113,7 +113,7 @@ M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
 M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
 V4_RMASK, S1 = u32(((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT), u32(1)
 F32_NAN_BITS = u32(0x7FC00000)
-V4_LOG_X = tuple(map(np.float64, (ref.V4_LOG_X3, ref.V4_LOG_X2, ref.V4_LOG_X1, ref.V4_LOG_X0)))
+V4_LOG_X = tuple(map(np.float64, ref.V4_LOG_X))
 EXP_MASK, MANT_MASK, ONE_F32_BITS = u32(0x7F800000), u32(0x7FFFFF), u32(0x3F800000)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 

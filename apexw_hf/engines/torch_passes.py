@@ -120,7 +120,7 @@ class Consts:
         self.s23, self.v4_zero, self.v4_least = i(23), i(V4_OFFSET), f(2.0 ** (V4_K + 1 - ref.BIAS))
         # reference.v4_log_warp
         self.exp_mask, self.mant_mask, self.one_bits = i(0x7F800000), i(0x7FFFFF), i(0x3F800000)
-        self.log_x = [f(x) for x in (ref.V4_LOG_X3, ref.V4_LOG_X2, ref.V4_LOG_X1, ref.V4_LOG_X0)]
+        self.log_x = [f(x) for x in ref.V4_LOG_X]
         # 4-bit decoding: the byte in both rows, m's nibble to bits 12-15 and v's to 12-15, then an arithmetic shift
         # by 2 puts each code in the fp16 exponent (m's sign also lands on bits 13-15: kept in 15, cleared in 13-14)
         self.dec4_shift_col = col([12, 8], torch.int16)
