@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["optimizer_state_bytes", "optimizer_param_count", "unwrap_optimizer"]
+__all__ = ["optimizer_state_bytes", "optimizer_state_placement", "optimizer_param_count", "unwrap_optimizer"]
 
 _MAX_UNWRAP = 8
 
@@ -101,6 +101,24 @@ def optimizer_state_bytes(optimizer, *, unique: bool = False) -> int:
             seen.add(key)
         total += nbytes
     return total
+
+
+def optimizer_state_placement(optimizer) -> dict[str, int]:
+    """Where the optimizer state lives: ``{"host": bytes, "device": bytes}``.
+
+    ``host`` is the bytes of the tensors in ``optimizer.state`` that sit in CPU memory (pinned or not), ``device``
+    those on an accelerator plus, for an optimizer that streams host state through device buffers (ApexW with
+    ``state_offload=True``), those buffers (its ``staging_bytes()``). Each tensor is counted once per reference, as
+    :func:`optimizer_state_bytes` counts by default, so ``host + device`` is that number plus the buffers.
+    """
+    opt = unwrap_optimizer(optimizer)
+    out = {"host": 0, "device": 0}
+    for t in _plain_tensors(list(opt.state.values())):
+        out["host" if t.device.type == "cpu" else "device"] += t.numel() * t.element_size()
+    staging = getattr(opt, "staging_bytes", None)
+    if callable(staging):
+        out["device"] += int(staging())
+    return out
 
 
 def optimizer_param_count(optimizer) -> int:

@@ -5,6 +5,11 @@ Values (added to the Trainer's training logs):
 * ``optimizer_state_mib``: bytes of every tensor in ``optimizer.state`` / 2**20
   (:func:`apexw_hf.accounting.optimizer_state_bytes`, the same accounting for torch, bitsandbytes, torchao and ApexW);
 * ``optimizer_state_bytes_per_param``: the same bytes / the number of elements of the parameters being optimized;
+* ``optimizer_state_device_mib`` / ``optimizer_state_host_mib``: where those bytes are: on the GPU (plus the device
+  buffers an optimizer with ``state_offload=True`` streams its host state through) and in host memory
+  (:func:`apexw_hf.accounting.optimizer_state_placement`);
+* ``state_offload``: 1 if the optimizer keeps its state in host memory and streams it through the GPU (an ApexW built
+  with ``state_offload=True``, e.g. ``optim_args="state_offload=true"``), else 0;
 * ``gradient_release``: 1 if the optimizer updates parameters inside ``backward()`` and frees their gradients (an ApexW
   built with ``gradient_release=True``, e.g. ``optim="apexw_8bit_release"``), else 0;
 * ``kept_bytes_per_param``: what training keeps per optimized parameter element between backward and the optimizer
@@ -32,7 +37,7 @@ import torch
 from transformers import TrainerCallback
 from transformers import trainer_callback as _trainer_callback
 
-from ..accounting import optimizer_param_count, optimizer_state_bytes, unwrap_optimizer
+from ..accounting import optimizer_param_count, optimizer_state_bytes, optimizer_state_placement, unwrap_optimizer
 
 __all__ = ["OptimizerStateCallback", "optimizer_state_metrics", "kept_bytes", "uses_gradient_release"]
 
@@ -46,9 +51,13 @@ def optimizer_state_metrics(optimizer, *, unique: bool = False, peak_memory: boo
     nparams = optimizer_param_count(optimizer)
     release = uses_gradient_release(optimizer)
     kept, local_params = kept_bytes(optimizer, nbytes, release)
+    placement = optimizer_state_placement(optimizer)
     out = {
         "optimizer_state_mib": nbytes / MIB,
         "optimizer_state_bytes_per_param": nbytes / nparams if nparams else 0.0,
+        "optimizer_state_device_mib": placement["device"] / MIB,
+        "optimizer_state_host_mib": placement["host"] / MIB,
+        "state_offload": int(bool(getattr(unwrap_optimizer(optimizer), "state_offload", False))),
         "gradient_release": int(release),
         "kept_bytes_per_param": kept / local_params if local_params else 0.0,
     }

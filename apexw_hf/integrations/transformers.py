@@ -71,6 +71,7 @@ OPTIM_ARGS: dict[str, str] = {
     "gradient_release": "true|false",
     "release_bucket_size": "<int >= 1, gradient elements per launch>",
     "tied_grad_offload": "true|false",
+    "state_offload": "true|false",
 }
 _OWNED_BY_TRAINING_ARGS = {
     "lr": "learning_rate",
@@ -106,7 +107,7 @@ def _convert(key: str, raw: str) -> Any:
         if not 0 <= seed < 2**32:
             raise ValueError(f"optim_args: seed={raw!r} is not allowed; seed must be an int in [0, 2**32)")
         return seed
-    if key in ("maximize", "gradient_release", "tied_grad_offload"):
+    if key in ("maximize", "gradient_release", "tied_grad_offload", "state_offload"):
         if low in _TRUE:
             return True
         if low in _FALSE:

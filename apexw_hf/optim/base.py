@@ -16,6 +16,7 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
+from .offload import STEP_CHUNK, StateOffload, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -76,6 +77,13 @@ class ApexW(torch.optim.Optimizer):
             per step, on a side stream; see :mod:`apexw_hf.optim.tied_offload`). Needs the loss and the model
             before each ``backward()``: Accelerate and the Trainer pass them, a plain loop calls
             :meth:`before_backward`.
+        state_offload: keep every tensor of the optimizer state in host memory (pinned) and stream it through the
+            update kernel: each launch (a gradient-release bucket, or a chunk of a param group in ``step()``) copies
+            its tensors' state into one of a few device buffers on a side stream, updates it there and copies it
+            back while training goes on, prefetching the next launch's state in the order of the last step
+            (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of three launches instead of all of it;
+            the results are bit-identical. Needs the Triton engine on one GPU (CUDA parameters; CPU parameters only
+            under the Triton interpreter) and host memory for the whole state; not under FSDP2.
 
     Example:
         >>> import torch
@@ -106,6 +114,7 @@ class ApexW(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         release_bucket_size: int | None = None,
         tied_grad_offload: bool = False,
+        state_offload: bool = False,
     ):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
@@ -118,6 +127,7 @@ class ApexW(torch.optim.Optimizer):
         self._engine = None
         self._cpu_engine = None
         self._release: GradientRelease | None = None
+        self._offload: StateOffload | None = None
         defaults = dict(
             lr=lr,
             betas=betas,
@@ -131,6 +141,11 @@ class ApexW(torch.optim.Optimizer):
         )
         self._check_hparams(defaults)
         super().__init__(params, defaults)
+        if not isinstance(state_offload, bool):
+            raise TypeError(f"state_offload must be a bool, got {state_offload!r}")
+        if state_offload:
+            self._check_offload()
+            self._offload = StateOffload(self)
         if gradient_release:
             self._release = GradientRelease(self, release_bucket_size, max_grad_norm, tied_grad_offload)
             self._release.sync_hooks()
@@ -165,6 +180,44 @@ class ApexW(torch.optim.Optimizer):
             raise ValueError(
                 f"release_bucket_size must be an int >= 1 (gradient elements) or None (the default, growing limit), "
                 f"got {bucket_size!r}"
+            )
+
+    def _check_offload(self) -> None:
+        """Refuse ``state_offload=True`` where it cannot stream (not the Triton engine, several devices, FSDP2) or
+        where the host cannot hold the state, before anything is allocated."""
+        from .offload import host_bytes_available
+
+        devices = set()
+        needed = 0
+        for group in self.param_groups:
+            params = group["params"]
+            if any(dt.is_dtensor(p) for p in params):
+                raise ValueError(
+                    "state_offload=True does not support FSDP2 (DTensor) parameters yet; turn state_offload off, or "
+                    "train on one GPU"
+                )
+            if params and not engines.uses_triton(group["engine"], params):
+                raise ValueError(
+                    f"state_offload=True streams the state through the Triton kernels on a GPU, and a param group of "
+                    f"{params[0].device} parameters with engine={group['engine']!r} runs on the plain-PyTorch engine "
+                    "(its state is in host memory already when it trains on the CPU). Put the model on a CUDA GPU "
+                    "with triton installed, or turn state_offload off."
+                )
+            devices.update(p.device for p in params)
+            meta = torch.device("meta")
+            needed += sum(st.state_tensor_bytes(st.init_state(p, group["state_format"], device=meta)) for p in params)
+        if len(devices) > 1:
+            raise ValueError(
+                f"state_offload=True streams the state of parameters on one device; got {sorted(map(str, devices))}. "
+                "Put the trained parameters on one GPU, or turn state_offload off."
+            )
+        available = host_bytes_available()
+        if available is not None and needed > available:
+            raise ValueError(
+                f"state_offload=True needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory for the optimizer "
+                f"state, and the host has {available / 2**30:.2f} GiB available. Use a smaller state_format "
+                "('4bit': about 1.05 bytes per parameter, '8bit' about 2.02), free host memory, or turn "
+                "state_offload off."
             )
 
     @staticmethod
@@ -224,7 +277,20 @@ class ApexW(torch.optim.Optimizer):
 
         return optimizer_state_bytes(self)
 
+    @property
+    def state_offload(self) -> bool:
+        """Whether the state lives in host memory and streams through device buffers (the ``state_offload``
+        argument)."""
+        return self._offload is not None
+
+    def staging_bytes(self) -> int:
+        """Bytes of the device buffers that ``state_offload`` streams the state through (0 without it).
+        :func:`apexw_hf.accounting.optimizer_state_placement` adds them to the state on the device."""
+        return 0 if self._offload is None else self._offload.device_bytes()
+
     def _init_state(self, p: torch.Tensor, group: dict) -> dict:
+        if self._offload is not None:
+            return self._offload.host_state(p, group)
         state = self.state[p]
         if not state:
             state.update(st.init_state(p, group["state_format"]))
@@ -257,7 +323,11 @@ class ApexW(torch.optim.Optimizer):
             torch.float32
         """
         self._check_own_param(p, "dequantized_state")
-        return st.dequantized(self.state.get(p, {}), p)
+        if self._offload is None:
+            return st.dequantized(self.state.get(p, {}), p)
+        self._offload.sync()
+        out = st.dequantized(self.state.get(p, {}), p)
+        return {k: v if k == "step" else v.to(p.device) for k, v in out.items()}
 
     def to_torch_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict, to leave ApexW mid-training.
@@ -287,6 +357,8 @@ class ApexW(torch.optim.Optimizer):
             >>> torch_opt.param_groups[0]["lr"]
             0.001
         """
+        if self._offload is not None:
+            self._offload.sync()
         state, groups, index = {}, [], 0
         for group in self.param_groups:
             ids = list(range(index, index + len(group["params"])))
@@ -364,6 +436,8 @@ class ApexW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         if self._release is not None:
             self._release.abandon_step()
+        if self._offload is not None:
+            self._offload.abandon_step()
 
     def remove_release_hooks(self) -> None:
         """Remove the gradient-release hooks from the parameters; the optimizer then works as without release."""
@@ -395,6 +469,9 @@ class ApexW(torch.optim.Optimizer):
     def _step_params(self, group: dict, params: list, grads: list, bucket: object = None, before_launch=None) -> None:
         """Step ``params`` of ``group`` with ``grads``. ``before_launch``: the Triton engine's hook (gradient
         release's bucket norm; see ``TritonEngine.step_group``), only for a group on one device."""
+        if self._offload is not None:
+            self._step_offloaded(group, params, grads, bucket, before_launch)
+            return
         if before_launch is not None:
             engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch)
             return
@@ -410,6 +487,31 @@ class ApexW(torch.optim.Optimizer):
             entry[1].append(g)
         for device, (ps, gs) in by_device.items():
             engines.engine_for(self, group, ps).step_group(group, ps, gs, (bucket, device))
+
+    def _step_offloaded(self, group: dict, params: list, grads: list, bucket: object, before_launch) -> None:
+        """``_step_params`` with ``state_offload``: the launch updates the state staged on the device for it."""
+        if dt.is_dtensor(params[0]):
+            raise ValueError(
+                "state_offload=True does not support FSDP2 (DTensor) parameters yet (the model was sharded after the "
+                "optimizer was built); turn state_offload off under FSDP2"
+            )
+        key = tuple(map(id, params)) if bucket is None else bucket
+        offload = self._offload
+        for p in params:
+            offload.host_state(p, group)
+        index, staged = offload.stage(group, params, key)
+        engines.triton_engine(self).step_group(group, params, grads, key, before_launch, states=staged)
+        offload.done(index, params, staged)
+
+    def _step_chunks(self, group: dict, params: list, grads: list) -> None:
+        """``step()`` of a param group with ``state_offload``: launches of at most ``STEP_CHUNK`` elements (a larger
+        tensor alone), each staged as a gradient-release bucket is."""
+        start, count = 0, 0
+        for i, p in enumerate(params):
+            count += p.numel()
+            if count >= STEP_CHUNK or i == len(params) - 1:
+                self._step_params(group, params[start : i + 1], grads[start : i + 1])
+                start, count = i + 1, 0
 
     def _spans_devices(self, group: dict) -> bool:
         """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
@@ -440,6 +542,8 @@ class ApexW(torch.optim.Optimizer):
                 loss = closure()
         if self._release is not None:
             self._release.finish_step()
+            if self._offload is not None:
+                self._offload.end_step()
             return loss
         for group in self.param_groups:
             params = group["params"]
@@ -447,8 +551,14 @@ class ApexW(torch.optim.Optimizer):
             if any(map(operator.is_, grads, repeat(None))):
                 params = [p for p, g in zip(params, grads) if g is not None]
                 grads = [g for g in grads if g is not None]
-            if params:
+            if not params:
+                continue
+            if self._offload is not None:
+                self._step_chunks(group, params, grads)
+            else:
                 self._step_params(group, params, grads)
+        if self._offload is not None:
+            self._offload.end_step()
         return loss
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
@@ -457,6 +567,8 @@ class ApexW(torch.optim.Optimizer):
         """``torch.optim.Optimizer.state_dict``; with ``gradient_release`` also ``"gradient_release"``: the last global
         gradient norm and partial sums (floats), which the next step's clipping uses, so a resumed run clips as an
         unbroken one (a JSON copy also goes into the first param group, which torch.distributed.checkpoint keeps)."""
+        if self._offload is not None:
+            self._offload.sync()  # the host copies hold every update (they are what the state dict holds)
         out = super().state_dict()
         if self._release is not None:
             out["gradient_release"] = self._release.state()
@@ -473,6 +585,7 @@ class ApexW(torch.optim.Optimizer):
         self.__dict__.setdefault("_cpu_engine", None)
         # Hooks live on the parameters, not in the pickled state: a copy steps in step(), without release.
         self.__dict__.setdefault("_release", None)
+        self.__dict__.setdefault("_offload", None)
         # torch.optim.Optimizer.__setstate__ (run by load_state_dict, deepcopy and unpickling) adds
         # differentiable=False to the defaults for optimizers pickled before that flag existed. ApexW has no
         # differentiable mode; kept, the key would reach every param group added later and every resumed state dict.
@@ -541,6 +654,9 @@ class ApexW(torch.optim.Optimizer):
         release_state = state_dict.get("gradient_release")
         if self._release is not None:
             self._release.check_saved(release_state)  # before anything is replaced
+        if self._offload is not None:
+            self._offload.invalidate()  # before the host tensors its copies read and write are replaced
+            state = defaultdict(dict, {k: to_host(v) if isinstance(k, torch.Tensor) else v for k, v in state.items()})
         self.__setstate__({"state": state, "param_groups": groups})
         self._group_index = {}
         if self._release is not None:

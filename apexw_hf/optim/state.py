@@ -72,31 +72,27 @@ def moment_keys(fmt: str) -> tuple[str, ...]:
     return (MV4_KEY,) if fmt in FOUR_BIT else MOMENT_KEYS
 
 
-def init_state(p: torch.Tensor, fmt: str) -> dict:
-    """Fresh zero state for parameter ``p`` in format ``fmt`` (``DTensor`` state for a ``DTensor`` parameter)."""
+def init_state(
+    p: torch.Tensor, fmt: str, *, device: torch.device | None = None, pin_memory: bool = False
+) -> dict:
+    """Fresh zero state for parameter ``p`` in format ``fmt`` (``DTensor`` state for a ``DTensor`` parameter), on
+    ``p``'s device or on ``device`` (in pinned memory with ``pin_memory``: state offload's host copy)."""
     if dt.is_dtensor(p):
-        return dt.wrap_state(init_state(p.to_local(), fmt), p)
+        return dt.wrap_state(init_state(p.to_local(), fmt, device=device, pin_memory=pin_memory), p)
     state = {"step": torch.tensor(0.0, dtype=torch.float32)}
-    kw = {"device": p.device, "memory_format": torch.contiguous_format}
-    if fmt == "fp32":
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, **kw)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, **kw)
-    elif fmt == "compact":
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.bfloat16, **kw)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.bfloat16, **kw)
-    elif fmt == "8bit":
-        nb = ref.num_blocks(p.numel())
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
-        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
-        state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.uint8, **kw)
-        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
-    elif fmt == "4bit":
-        nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
-        state[MV4_KEY] = torch.zeros_like(p, dtype=torch.uint8, **kw)
-        state["exp_avg_scale"] = torch.zeros(nb, dtype=torch.bfloat16, device=p.device)
-        state["exp_avg_sq_scale"] = torch.zeros(nb, dtype=SCALE_DTYPES[fmt][1], device=p.device)
-    else:
+    kw = {"device": p.device if device is None else device, "pin_memory": pin_memory}
+    if fmt not in MOMENT_DTYPES or fmt.endswith("_v1"):
         raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
+    nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt]) if fmt in QUANTIZED else 0
+    scales = dict(zip(SCALE_KEYS, SCALE_DTYPES.get(fmt, ())))
+    for key, dtype in zip(moment_keys(fmt), MOMENT_DTYPES[fmt]):
+        state[key] = torch.zeros(p.shape, dtype=dtype, **kw)
+        if fmt == "8bit":  # each moment's codes, then its scales
+            scale = key + "_scale"
+            state[scale] = torch.zeros(nb, dtype=scales[scale], **kw)
+    if fmt == "4bit":
+        for key, dtype in scales.items():
+            state[key] = torch.zeros(nb, dtype=dtype, **kw)
     return state
 
 

@@ -243,7 +243,9 @@ def test_optim_args_values():
         "gradient_release",
         "release_bucket_size",
         "tied_grad_offload",
+        "state_offload",
     }
+    assert parse_optim_args("state_offload=true", "apexw_8bit") == {"state_offload": True}
     assert parse_optim_args("gradient_release=true, tied_grad_offload=YES", "apexw_4bit") == {
         "gradient_release": True,
         "tied_grad_offload": True,

@@ -55,10 +55,21 @@ def _shapes_devices(params: list[torch.Tensor]) -> tuple[list, list]:
     return list(map(_SHAPE, params)), list(map(_DEVICE, params))
 
 
+def _staged(states: dict[int, dict], ids: list[int]) -> list[dict]:
+    """The state dicts of ``ids`` in ``states`` (``step_group``'s argument), or an error naming what is missing."""
+    try:
+        return [states[i] for i in ids]
+    except KeyError:
+        raise ValueError(
+            "step_group(states=...): a parameter of the launch has no state dict in 'states'; staged state must cover "
+            "every parameter of the bucket"
+        ) from None
+
+
 class _GroupCache:
     """Launch plans and step counters of the stepping params of one param group."""
 
-    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor]):
+    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor], states=None):
         from .kernels import LaunchPlan
 
         opt = engine.optimizer
@@ -67,7 +78,7 @@ class _GroupCache:
         self.slot_of = {id(p): i for i, p in enumerate(members)}
         self.fmt = group["state_format"]
         self.seed = group["seed"]
-        states = [opt.state[p] for p in members]
+        states = [opt.state[p] for p in members] if states is None else _staged(states, self.member_ids)
         # Step counters: views into one buffer (values copied from whatever the states held).
         self.steps = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
         self.steps_np = self.steps.numpy()
@@ -153,7 +164,7 @@ class TritonEngine:
         raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
 
     def _rebuild(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
+        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None, states=None
     ) -> _GroupCache:
         opt = self.optimizer
         self._check_device(params[0])
@@ -174,7 +185,7 @@ class TritonEngine:
         for p, g in zip(params, grads):
             self._check_grad(p, g)
             opt._init_state(p, group)
-        cache = _GroupCache(self, group, members, member_grads)
+        cache = _GroupCache(self, group, members, member_grads, states)
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
         # that hold it would count on a stale buffer, so they go (gradient release may regroup tensors into buckets).
         for key in [k for k, c in self._cache.items() if k[0] == id(group) and k[1] != bucket]:
@@ -225,6 +236,7 @@ class TritonEngine:
         grads: list[torch.Tensor],
         bucket: object = None,
         before_launch: Callable[[list], torch.Tensor | None] | None = None,
+        states: dict[int, dict] | None = None,
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
@@ -233,7 +245,10 @@ class TritonEngine:
         its own launch plan, so one launch covers exactly its tensors. ``before_launch(plans)`` is called with the
         launch plans once their gradient addresses are set, before their launches (gradient release computes the
         bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
-        the factor the kernels multiply each gradient by first (gradient release's clip coefficient).
+        the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``states``:
+        ``id(param) -> state dict`` of every param stepped, to update instead of ``optimizer.state[param]`` (state
+        offload stages the state of each launch in a device buffer; the plans then take these tensors' addresses, and
+        the state dicts' ``"step"`` become views into the engine's step counters, as at a rebuild).
         """
         if not params:
             return
@@ -250,10 +265,10 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads, bucket)
+                cache = self._rebuild(group, params, grads, bucket, states)
                 full = ids == cache.member_ids
         if group["state_format"] != cache.fmt or group["seed"] != cache.seed:
-            cache = self._rebuild(group, params, grads, bucket)
+            cache = self._rebuild(group, params, grads, bucket, states)
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
         moved = slot_ptrs != cache.grad_ptrs
@@ -268,7 +283,7 @@ class TritonEngine:
                 for i, d in zip(ids, got):
                     dtypes[cache.slot_of[i]] = d
             if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads, bucket)
+                cache = self._rebuild(group, params, grads, bucket, states)
                 full = ids == cache.member_ids
                 slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
             cache.grad_ptrs = slot_ptrs
@@ -311,6 +326,12 @@ class TritonEngine:
                     [k.step_size if k else 0.0 for k in known],
                     [k.inv_bc2_sqrt if k else 0.0 for k in known],
                 )
+        if states is not None:
+            staged = _staged(states, cache.member_ids)
+            for plan, slots, _ in cache.plans:
+                plan.set_state_ptrs(staged if len(cache.plans) == 1 else [staged[i] for i in slots])
+            for i, s in zip(cache.member_ids, staged):
+                s["step"] = cache.steps[cache.slot_of[i]]
         grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
         for plan, _, _ in cache.plans:
             plan.launch(

@@ -132,6 +132,30 @@ def _copy_from_host_(dst: torch.Tensor, values) -> None:
     dst.copy_(staged, non_blocking=True)
 
 
+def _state_addresses(fmt: str, numel: int, s: dict, device: torch.device) -> tuple[int, int, int, int]:
+    """Addresses of the state tensors ``s`` of a parameter of ``numel`` elements, for the address table's rows
+    ``ADDR_M``, ``ADDR_V``, ``ADDR_M_SCALE``, ``ADDR_V_SCALE`` (0 where the format has none), after checking each
+    tensor's dtype, size, layout and device."""
+    block = BLOCK_OF.get(fmt, QBLOCK)
+    for key, dtype in _STATE_DTYPES[fmt].items():
+        x = s.get(key)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"state '{key}' is missing for format {fmt!r}; got keys {sorted(s)}")
+        want = (numel + block - 1) // block if key.endswith("_scale") else numel
+        if x.dtype != dtype or x.numel() != want or not x.is_contiguous() or x.device != device:
+            raise ValueError(
+                f"state '{key}' must be a contiguous {dtype} tensor of {want} elements on {device} for "
+                f"format {fmt!r}; got {x.dtype}, {x.numel()} elements, on {x.device}"
+            )
+    if fmt == "4bit":
+        m, v = s["exp_avg_mv"].data_ptr(), 0  # ADDR_V stays 0
+    else:
+        m, v = s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr()
+    if fmt in BLOCK_OF:
+        return m, v, s["exp_avg_scale"].data_ptr(), s["exp_avg_sq_scale"].data_ptr()
+    return m, v, 0, 0
+
+
 class LaunchPlan:
     """Static launch metadata for tensors that share a device, a state format, a param dtype and a grad dtype.
 
@@ -169,37 +193,21 @@ class LaunchPlan:
         self.maxnreg = maxnreg
         self._auto_caps = maxnreg == "auto" and (self.rows, self.num_warps) == (cfg_rows, cfg_warps)
         chunk = self.rows * QBLOCK
-        block = BLOCK_OF.get(fmt, QBLOCK)
         n = len(params)
         self.num_tensors = n
         addr = [[0] * n for _ in range(NUM_ADDR_ROWS)]
         numel, tkey, nchunks = [], [], []
-        aligned = True
+        params_aligned = states_aligned = True
         for i, (p, s) in enumerate(zip(params, states)):
             if p.dtype != self.param_dtype or p.device != self.device:
                 raise ValueError("all tensors of a launch plan must share dtype and device")
             if not p.is_contiguous():
                 raise ValueError(f"the Triton engine needs contiguous parameters; got strides {p.stride()}")
             addr[ADDR_PARAM][i] = p.data_ptr()
-            for key, dtype in _STATE_DTYPES[fmt].items():
-                x = s.get(key)
-                if not isinstance(x, torch.Tensor):
-                    raise ValueError(f"state '{key}' is missing for format {fmt!r}; got keys {sorted(s)}")
-                want = (p.numel() + block - 1) // block if key.endswith("_scale") else p.numel()
-                if x.dtype != dtype or x.numel() != want or not x.is_contiguous() or x.device != self.device:
-                    raise ValueError(
-                        f"state '{key}' must be a contiguous {dtype} tensor of {want} elements on {self.device} for "
-                        f"format {fmt!r}; got {x.dtype}, {x.numel()} elements, on {x.device}"
-                    )
-            if fmt == "4bit":
-                addr[ADDR_M][i] = s["exp_avg_mv"].data_ptr()  # ADDR_V stays 0
-            else:
-                addr[ADDR_M][i] = s["exp_avg"].data_ptr()
-                addr[ADDR_V][i] = s["exp_avg_sq"].data_ptr()
-            if fmt in BLOCK_OF:
-                addr[ADDR_M_SCALE][i] = s["exp_avg_scale"].data_ptr()
-                addr[ADDR_V_SCALE][i] = s["exp_avg_sq_scale"].data_ptr()
-            aligned &= all(a % 16 == 0 for a in (addr[ADDR_PARAM][i], addr[ADDR_M][i], addr[ADDR_V][i]))
+            m, v, addr[ADDR_M_SCALE][i], addr[ADDR_V_SCALE][i] = _state_addresses(fmt, p.numel(), s, self.device)
+            addr[ADDR_M][i], addr[ADDR_V][i] = m, v
+            params_aligned &= addr[ADDR_PARAM][i] % 16 == 0
+            states_aligned &= m % 16 == 0 and v % 16 == 0
             numel.append(p.numel())
             tkey.append(to_int32(tensor_key(seed, tensor_indices[i])))
             nchunks.append((p.numel() + chunk - 1) // chunk)
@@ -211,7 +219,10 @@ class LaunchPlan:
         # the tensor of program k * WORK_GROUP (the last program's for k past the end): where each search starts
         firsts = np.minimum(np.arange(0, total // WORK_GROUP.value + 2) * WORK_GROUP.value, max(total - 1, 0))
         gfirst = np.searchsorted(cstart[1:], firsts, side="right")
-        self.static_aligned = aligned
+        self._numels = [p.numel() for p in params]  # for set_state_ptrs's checks
+        self._params_aligned = params_aligned
+        self.static_aligned = params_aligned and states_aligned
+        self._state_ptrs = [addr[r] for r in (ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE)]
         self.even = all(k % QBLOCK == 0 for k in numel)  # whole 256-element rows of the kernel's tile: row masks
         self.grads_aligned = False
         dev = self.device
@@ -234,6 +245,21 @@ class LaunchPlan:
         table = np.array(ptrs, dtype=np.int64)
         self.grads_aligned = not (table & 15).any()
         _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
+
+    def set_state_ptrs(self, states) -> None:
+        """The state tensors of the plan's tensors, in plan order, when they are not those it was built with (state
+        offload stages each launch's state in a device buffer). Same formats, dtypes and sizes as at construction,
+        checked; the address table is copied only when an address changed."""
+        if len(states) != self.num_tensors:
+            raise ValueError(f"set_state_ptrs: {len(states)} state dicts for a plan of {self.num_tensors} tensors")
+        cols = [_state_addresses(self.fmt, n, s, self.device) for n, s in zip(self._numels, states)]
+        rows = [list(r) for r in zip(*cols)]
+        if rows == self._state_ptrs:
+            return
+        self._state_ptrs = rows
+        table = np.array(rows, dtype=np.int64)
+        self.static_aligned = self._params_aligned and not (table[:2] & 15).any()
+        _copy_from_host_(self.addr[ADDR_M : ADDR_V_SCALE + 1], torch.from_numpy(table))
 
     def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
         """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""

@@ -1,0 +1,150 @@
+"""State offload (``ApexW(state_offload=True)``) on the Triton engine: the state lives in host memory and streams
+through a few device buffers. On a GPU the buffers are CUDA memory and the copies run on side streams; on the CPU the
+interpreter's kernels update CPU buffers, and the same bucket pipeline (order learning, prefetch, misprediction,
+bounded slots, resume) runs with plain copies."""
+
+import pytest
+import torch
+
+from apexw_hf.accounting import optimizer_state_placement
+from apexw_hf.optim import ApexW
+from apexw_hf.optim import base as base_mod
+from apexw_hf.optim import offload as offload_mod
+
+from ..optim.test_gradient_release import groups, make, train, train_from
+from .helpers import DEVICE
+
+FORMATS = ["compact", "8bit", "4bit", "fp32"]
+
+
+def _opt(model, fmt, offload, release, clip=None, bucket=300):
+    kw = dict(gradient_release=True, release_bucket_size=bucket, max_grad_norm=clip) if release else {}
+    return ApexW(groups(model), lr=2e-2, state_format=fmt, engine="triton", state_offload=offload, **kw)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """step() launches of at most 300 elements under offload: several chunks per param group on the tiny model."""
+    monkeypatch.setattr(base_mod, "STEP_CHUNK", 300)
+
+
+def _same(a, b, oa, ob):
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["state"].keys() == sb["state"].keys()
+    for i, entry in sa["state"].items():
+        for k, v in entry.items():
+            w = sb["state"][i][k]
+            assert v.dtype == w.dtype and torch.equal(v.cpu(), w.cpu()), (i, k)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("mode", ["step", "release", "release_clipped"])
+def test_offloaded_state_gives_the_same_bits(fmt, mode, small_chunks):
+    release, clip = mode != "step", (0.05 if mode == "release_clipped" else None)
+    a, b = make().to(DEVICE), make().to(DEVICE)
+    oa, ob = _opt(a, fmt, False, release, clip), _opt(b, fmt, True, release, clip)
+    train(a, oa, 4)
+    train(b, ob, 4)
+    _same(a, b, oa, ob)
+    off = ob._offload
+    # more launches per step than device buffers, so buffers were reused and later launches were prefetched
+    assert len(off._order) > len(off.slots) + 2
+    assert off.hits > 0 and off.misses >= len(off._order)
+    # every state tensor lives in host memory; the device holds the buffers only
+    for entry in ob.state.values():
+        for k, v in entry.items():
+            assert v.device.type == "cpu", k
+            assert k == "step" or v.is_pinned() == (DEVICE == "cuda")
+    placement = optimizer_state_placement(ob)
+    assert placement["host"] == ob.state_bytes() == oa.state_bytes()
+    assert placement["device"] == ob.staging_bytes() > 0
+
+
+def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_chunks):
+    for release in (False, True):
+        model = make().to(DEVICE)
+        opt = _opt(model, "8bit", True, release)
+        train(model, opt, 1)
+        off = opt._offload
+        first = off.misses
+        assert first == len(off._order) > len(off.slots)  # the first step knows no order: every launch copies in
+        train(model, opt, 3)
+        assert off.misses == first  # later steps: every launch found its state on the device
+        assert off.hits == 3 * len(off._order)
+        # the device holds `slots` buffers, each the size of the largest launch's state
+        largest = max(sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for p in params
+                          for k in opt.state[p] if k != "step") for _, params in off._order)
+        assert off.device_bytes() <= len(off.slots) * (largest + 256 * 12)
+
+
+def test_a_changed_order_falls_back_to_copies_and_keeps_the_bits(small_chunks):
+    """A block without a gradient in one step (frozen for a step): the buckets of that step differ from the learned
+    order; the launches that were not prefetched copy their state in, and the bits are those without offload."""
+    runs = []
+    for offload in (False, True):
+        model = make().to(DEVICE)
+        opt = _opt(model, "4bit", offload, True)
+        train(model, opt, 2)
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(False)
+        train_from(model, opt, 2)
+        for p in model.blocks[0].parameters():
+            p.requires_grad_(True)
+        misses = opt._offload.misses if offload else 0
+        train_from(model, opt, 3)
+        train_from(model, opt, 4)
+        runs.append((model, opt, misses))
+    (a, oa, _), (b, ob, misses) = runs
+    _same(a, b, oa, ob)
+    assert ob._offload.misses > misses  # the step after the change did not match the learned order everywhere
+
+
+@pytest.mark.parametrize("release", [False, True])
+def test_resume_in_the_middle_is_exact(release, tmp_path, small_chunks):
+    a = make().to(DEVICE)
+    oa = _opt(a, "8bit", True, release, clip=0.5 if release else None)
+    train(a, oa, 3)
+    torch.save({"model": a.state_dict(), "opt": oa.state_dict()}, tmp_path / "ckpt.pt")
+    for t in range(3, 5):
+        train_from(a, oa, t)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    for offload in (True, False):  # into an offloaded optimizer, and into one that keeps its state on the device
+        b = make(seed=5).to(DEVICE)
+        b.load_state_dict(saved["model"])
+        ob = _opt(b, "8bit", offload, release, clip=0.5 if release else None)
+        ob.load_state_dict(saved["opt"])
+        if offload:
+            assert all(v.device.type == "cpu" for e in ob.state.values() for v in e.values())
+        for t in range(3, 5):
+            train_from(b, ob, t)
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_export_and_dequantized_state_match_the_device_run():
+    a, b = make().to(DEVICE), make().to(DEVICE)
+    oa, ob = _opt(a, "4bit", False, True), _opt(b, "4bit", True, True)
+    train(a, oa, 2)
+    train(b, ob, 2)
+    for p, q in zip(a.parameters(), b.parameters()):
+        da, db = oa.dequantized_state(p), ob.dequantized_state(q)
+        assert db["exp_avg"].device == q.device
+        for k in da:
+            assert torch.equal(da[k], db[k])
+    ea, eb = oa.to_torch_adamw_state_dict(), ob.to_torch_adamw_state_dict()
+    for i in ea["state"]:
+        for k in ea["state"][i]:
+            assert torch.equal(ea["state"][i][k].cpu(), eb["state"][i][k].cpu())
+
+
+def test_errors_name_what_is_wrong(monkeypatch):
+    model = make()
+    with pytest.raises(TypeError, match="state_offload must be a bool"):
+        ApexW(model.parameters(), state_offload="yes")
+    with pytest.raises(ValueError, match="plain-PyTorch engine"):
+        ApexW(model.parameters(), engine="torch", state_offload=True)
+    monkeypatch.setattr(offload_mod, "host_bytes_available", lambda: 1000)
+    with pytest.raises(ValueError, match=r"needs 0\.00 GiB \(\d+ bytes\) of host memory .* has 0\.00 GiB available"):
+        ApexW(model.to(DEVICE).parameters(), engine="triton", state_format="8bit", state_offload=True)
