@@ -7,9 +7,9 @@ What counts as an edge ``a -> b``:
 
 - Every ``import`` / ``from ... import`` statement anywhere in ``a``: at module level, and also inside functions,
   methods and ``if TYPE_CHECKING:`` blocks. A lazy import is still a dependency (it runs on the first call, and a
-  circle through it means that neither module can be read, tested or moved without the other); the circle that
-  issue 28 names, ``optim.base -> optim.torch_engine -> optim.numba_engine -> optim.base`` (modules now in ``engines/``), consisted only of
-  function-level imports, and it broke nothing at import time, which is exactly why it went unnoticed.
+  circle through it means that neither module can be read, tested or moved without the other); a circle from the
+  optimizer's base class through two engines and back can consist only of function-level imports, and break nothing
+  at import time, which is exactly why it would go unnoticed.
 - ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
 - Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.state`` runs ``apexw_hf/__init__``
   first) does not count: ``apexw_hf/__init__`` imports the public names from everywhere by design, so every module
@@ -22,8 +22,6 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "apexw_hf"
