@@ -125,7 +125,7 @@ def speed_table() -> str:
 
 
 def steady_table() -> str:
-    """steps/s of the steps/s target's cells over several seeds of longer runs (``h200_full_finetune.sh steady``)."""
+    """steps/s of the steps/s target's cells over several seeds of longer runs (grid ``steady_*``)."""
     folder = _latest("full_finetune_h200/steady_*")
     if folder is None:
         return "(no stored H200 steps/s runs)\n"
