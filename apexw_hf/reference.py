@@ -44,7 +44,7 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   The exact ``v`` scale is what version 2 adds first: a block whose ``v`` decays keeps its codes while its scale
   decays by ``beta2`` in fp32, where version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a
   whole binade at random, a random walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at
-  ``beta2 = 0.999``; issue 27, ``scripts/four_bit_v2_walk.py``). ``v`` rounds with 16 random bits
+  ``beta2 = 0.999``). ``v`` rounds with 16 random bits
   (:func:`v4_rand_offset`), so an element whose block maximum is held by another one still decays at any
   ``beta2 <= 1 - 2**-17`` (such an element's ``log2(v)`` still walks: a limit of one code per binade).
   The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
@@ -56,8 +56,8 @@ Stochastic rounding of both moments draws on one 32-bit random word per element 
 with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
 ``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
 hashes one word per element instead of two. ``4bit`` rounds ``m`` with bits 0-5 and ``v`` with bits 6-21 (16 bits,
-the top six shared with a bf16 parameter's least significant ones; until 2026-12-05 ``m`` took bits 10-15 and ``v``
-bits 0-9 and 16-21, which cost the kernel two more operations and nine more registers).
+the top six shared with a bf16 parameter's least significant ones; two contiguous fields cost the kernel fewer
+operations and registers than split ones).
 
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
@@ -449,7 +449,7 @@ def v4_log_warp(y: torch.Tensor) -> torch.Tensor:
     small, ``tests/optim/test_update_scale.py``). Integer work on the bits: the exponent field is kept, the mantissa
     replaced, so it commutes with scaling by powers of two and maps subnormals to subnormals (> 0 stays > 0).
 
-    The form in ``x`` (since 2026-12-05; before it, the same cubic in ``f``) is what the kernels compute cheapest: the
+    The form in ``x`` (rather than the same cubic in ``f``) is what the kernels compute cheapest: the
     mantissa with 1.0's exponent is ``x`` itself, with no subtraction of 1.0. Its last fused multiply-add cancels
     (``X0`` against a product from 2.2 to 3.2), so ``w`` is within 3 ulps of the form in ``f`` and, from one of the
     2**23 mantissas to the next, falls by one ulp at 421,523 of them (5%): monotone to one ulp (2**-23 of a binade).

@@ -1,7 +1,7 @@
 """The "what fits where" tables of README.md and docs/full_finetune.md, from stored H200 runs.
 
-Reads every ``*.json`` run of ``scripts/bench_full_finetune_memory.py`` under
-``docs/results/gradient_release_h200/memory_*`` (the latest run of each cell) and writes two tables between
+Reads the runs of ``benchmarks/bench_full_finetune_memory.py`` in the ledger ``docs/results/memory.jsonl`` whose grid
+is ``gradient_release_h200/memory_*`` (the latest run of each cell) and writes two tables between
 ``<!-- fits-table -->`` and ``<!-- /fits-table -->`` markers: a short one for the README (the headline cells) and a
 full one for docs/full_finetune.md (every cell, allocated and reserved GiB, s/step, state, the run's commit).
 
@@ -11,15 +11,16 @@ full one for docs/full_finetune.md (every cell, allocated and reserved GiB, s/st
 from __future__ import annotations
 
 import argparse
-import json
+import fnmatch
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "docs" / "results" / "gradient_release_h200"
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "scripts")]
+import ledger  # noqa: E402
 from bench_full_finetune_memory import CONTEXT_GIB, GPU_SIZES_GB, fits  # noqa: E402
 
+MEMORY_GRIDS = "gradient_release_h200/memory_*"
 SHAPE_NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B"}
 LABELS = {
     "torch_fused@fp32": "torch AdamW (fused), fp32 master weights",
@@ -43,11 +44,12 @@ README_CELLS = ("torch_fused@fp32", "bnb_8bit@bf16", "apexw_8bit_release+liger@b
 
 def load_runs() -> dict[tuple[str, str], dict]:
     runs = {}
-    for path in sorted(RUNS.glob("memory_*/*.json")):
-        row = json.loads(path.read_text())
+    found = [
+        r for r in ledger.load("memory") if fnmatch.fnmatchcase(r["grid"] or "", "gradient_release_h200/memory_*")
+    ]
+    for row in sorted(found, key=lambda r: (r["grid"], r["run"])):
         if row.get("tag") or row.get("optim_args"):
             continue  # a variant (--tag / --optim-args), not the cell as a user runs it
-        row["source"] = path.parent.name
         key = (row["shape"], row["cell"])
         if key not in runs or row.get("date", "") >= runs[key].get("date", ""):
             runs[key] = row  # the latest run of a cell (re-measured after a change)
@@ -71,7 +73,7 @@ def full_table(runs: dict) -> str:
             f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | "
             f"{r['peak_reserved_gib']:.2f} | {r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | "
             f"{r['grads_alive_before_step']} | {_fits(r)} | "
-            f"[{r['commit']}](results/gradient_release_h200/{r['source']}) |"
+            f"[{r['commit']}](results/memory.jsonl) |"
         )
     return "\n".join(lines)
 

@@ -1,14 +1,15 @@
-"""Write the measured tables of docs/full_finetune.md and README.md's "Full fine-tuning" section from stored results.
+"""Write the measured tables of docs/full_finetune.md and README.md's "Full fine-tuning" section from the ledger.
 
-Every number comes from files under ``docs/results/`` (nothing is typed by hand):
+Every number comes from the ``apexw-compare`` runs in ``docs/results/compare.jsonl`` (grids named by their ``grid``
+column, their configs in ``compare_grids.jsonl``); nothing is typed by hand:
 
-* the H200 memory/speed grid: ``docs/results/full_finetune_h200/speed_*/runs/*/result.json``, and the longer
-  steps/s runs of the target's cells: ``steady_*``;
-* the H200 quality grid: ``docs/results/full_finetune_h200/quality*/runs/*/result.json`` where a grid finished, else
-  the progress lines of its ``compare.log`` (a grid cut short by its device call keeps only those); grids with the
-  same set-up as the newest (equal ``model``, ``data`` and ``train`` sections of their ``config.json``, e.g. the cells
-  of one grid run in two device calls) are joined into one table;
-* the CPU grid of ``apexw-compare offline_full``: ``docs/results/offline_full/runs/*/result.json``.
+* the H200 memory/speed grid: ``full_finetune_h200/speed_*``, and the longer steps/s runs of the target's cells:
+  ``steady_*``;
+* the H200 quality grid: ``full_finetune_h200/quality*``; grids with the same set-up as the newest (equal ``model``,
+  ``data`` and ``train`` sections of their config, e.g. the cells of one grid run in two device calls) are joined
+  into one table;
+* the CPU grid of ``apexw-compare offline_full``: ``offline_full`` (with ``offline_full_extra/*`` and the 4-bit
+  grids ``offline_full_4bit/v2_*``).
 
 Each table is written between ``<!-- name -->`` and ``<!-- /name -->`` markers in the two files.
 
@@ -20,8 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -29,62 +28,63 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ledger  # noqa: E402
+
 from apexw_hf.recipe.config import optimizer_label  # noqa: E402
 from apexw_hf.recipe.report import BEST_LR_RULE, best_learning_rates, paired_cell  # noqa: E402
 
-RESULTS = ROOT / "docs" / "results"
+LEDGER = "docs/results/compare.jsonl"
 BASE_GPU, BASE_CPU = "adamw_torch_fused@fp32", "adamw_torch@fp32"
-_PROGRESS = re.compile(
-    r"\] (?P<opt>\S+?)_lr(?P<lr>[0-9.e-]+)_seed(?P<seed>\d+) \([0-9.]+ s\): loss (?P<l0>[0-9.]+) -> (?P<l1>[0-9.]+), "
-    r"val (?P<val>[0-9.]+)"
-)
 
 
-def _runs(folder: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(folder.glob("runs/*/result.json"))]
+def _runs(grid: str) -> list[dict]:
+    return ledger.runs(grid)
 
 
-def _latest(pattern: str) -> Path | None:
-    """The newest stored grid matching ``pattern``: by the date its runs recorded (a checkout's file times say
-    nothing), then by name; a grid with no run JSON (a log only) counts as oldest."""
+def _latest(pattern: str) -> str | None:
+    """The newest grid of the ledger matching ``pattern``: by the date its runs recorded, then by name."""
 
-    def key(p: Path):
-        dates = [r.get("environment", {}).get("date_utc", "") for r in _runs(p)]
-        return (max(dates, default=""), p.name)
+    def key(g: str):
+        dates = [r.get("environment", {}).get("date_utc", "") for r in _runs(g)]
+        return (max(dates, default=""), g.rpartition("/")[2])
 
-    found = sorted(RESULTS.glob(pattern), key=key)
+    found = sorted(ledger.grids(pattern), key=key)
     return found[-1] if found else None
 
 
-def _same_setup(pattern: str) -> list[Path]:
+def _same_setup(pattern: str) -> list[str]:
     """The newest grid matching ``pattern`` and every other one run with the same set-up (its model, data and train
     config; the optimizers, learning rates and seeds may differ), newest first."""
     newest = _latest(pattern)
-    if newest is None or not (newest / "config.json").exists():
+    if newest is None or ledger.grid_config(newest) is None:
         return [newest] if newest else []
 
-    def setup(folder: Path):
-        cfg = _grid(folder)
+    def setup(grid: str):
+        cfg = _grid(grid)
         return [cfg.get(k) for k in ("model", "data", "train")]
 
     want = setup(newest)
-    others = [
-        p for p in sorted(RESULTS.glob(pattern)) if p != newest and (p / "config.json").exists() and setup(p) == want
-    ]
+    others = [g for g in ledger.grids(pattern) if g != newest and ledger.grid_config(g) and setup(g) == want]
     return [newest, *others]
+
+
+def _where(grids) -> str:
+    return f"`{LEDGER}`, grid{'s' if len(grids) > 1 else ''} " + ", ".join(f"`{g}`" for g in grids)
 
 
 def _mean(xs):
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def _env_line(runs: list[dict], folder: Path) -> str:
+def _env_line(runs: list[dict], folder: str) -> str:
     env = runs[0]["environment"]
     commits = sorted({r["environment"].get("git_commit", "?") for r in runs})
     dates = sorted({r["environment"].get("date_utc", "?")[:10] for r in runs})
     return (
         f"{env['device']}; torch {env['torch']}, transformers {env['transformers']}; commit {', '.join(commits)}; "
-        f"{', '.join(dates)}; stored in `{folder.relative_to(ROOT)}`"
+        f"{', '.join(dates)}; stored in {_where([folder])}"
     )
 
 
@@ -96,7 +96,7 @@ def speed_table() -> str:
     runs = {o: found[o] for o in _order(folder, found)}
     base = runs.get(BASE_GPU)
     if base is None:  # the ratios and the set-up line are relative to the reference run
-        return f"(`{folder.relative_to(ROOT)}` has no finished `{BASE_GPU}` run: no table)\n"
+        return f"({_where([folder])} has no finished `{BASE_GPU}` run: no table)\n"
     lines = [
         f"{_env_line(list(runs.values()), folder)}. Llama-3.2-1B shapes ({base['trainable_params']:,} parameters), "
         f"every sample padded to {_grid(folder)['data']['pad_to_multiple_of']} tokens, batch "
@@ -125,13 +125,13 @@ def speed_table() -> str:
 
 
 def steady_table() -> str:
-    """steps/s of the steps/s target's cells over several seeds of longer runs (``h200_full_finetune.sh steady``)."""
+    """steps/s of the steps/s target's cells over several seeds of longer runs (grid ``steady_*``)."""
     folder = _latest("full_finetune_h200/steady_*")
     if folder is None:
         return "(no stored H200 steps/s runs)\n"
     runs = [r for r in _runs(folder) if r.get("status") == "ok"]
     if not runs:
-        return f"(no finished runs in `{folder.relative_to(ROOT)}`)\n"
+        return f"(no finished runs in {_where([folder])})\n"
     cfg = _grid(folder)
     lines = [
         f"{_env_line(runs, folder)}. Every sample padded to {cfg['data']['pad_to_multiple_of']} tokens, batch "
@@ -153,59 +153,38 @@ def steady_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _order(folder: Path, names) -> list[str]:
-    """The grid's configured optimizer order (its config.json), then any others."""
-    cfg = folder / "config.json"
-    first = json.loads(cfg.read_text())["compare"]["optimizers"] if cfg.exists() else []
+def _order(folder: str, names) -> list[str]:
+    """The grid's configured optimizer order (its config), then any others."""
+    cfg = ledger.grid_config(folder)
+    first = cfg["compare"]["optimizers"] if cfg else []
     return [o for o in first if o in names] + sorted(set(names) - set(first))
 
 
 def _order_grids(folders, names) -> list[str]:
     """The optimizer order of several grids: each grid's configured order, the grid whose runs are oldest first."""
 
-    def first_date(p: Path):
-        return min((r.get("environment", {}).get("date_utc", "") for r in _runs(p)), default="")
+    def first_date(g: str):
+        return min((r.get("environment", {}).get("date_utc", "") for r in _runs(g)), default="")
 
     order = []
-    for f in sorted(folders, key=lambda p: (first_date(p), p.name)):
+    for f in sorted(folders, key=lambda g: (first_date(g), g.rpartition("/")[2])):
         order += [o for o in _order(f, names) if o not in order]
     return order
 
 
-def _grid(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
+def _grid(folder: str) -> dict:
+    return ledger.grid_config(folder)
 
 
-def _progress_rows(log: Path) -> list[dict]:
-    rows = []
-    for line in log.read_text().splitlines():
-        m = _PROGRESS.search(line)
-        if m:
-            rows.append(
-                {
-                    "status": "ok",
-                    "optimizer": m["opt"],
-                    "learning_rate": float(m["lr"]),
-                    "seed": int(m["seed"]),
-                    "final_train_loss": float(m["l1"]),
-                    "validation_loss": float(m["val"]),
-                }
-            )
-    return rows
-
-
-def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: list[Path] = ()) -> str:
+def quality_table(folder: str | None, base: str, from_log_note: bool, extra: list[str] = ()) -> str:
     """Validation loss per optimizer and learning rate, the best lr and paired tests; ``extra``: more grids of the
     same set-up (other seeds or learning rates) whose runs join ``folder``'s."""
     if folder is None:
         return "(no stored grid)\n"
     runs = [r for f in (folder, *extra) for r in _runs(f) if r.get("status") == "ok"]
-    source, digits = "run JSONs", 4
-    if not runs and (folder / "compare.log").exists():
-        runs, digits = _progress_rows(folder / "compare.log"), 3
-        source = "the progress lines of `compare.log` (3 decimals)"
+    digits = 4
     if not runs:
-        return f"(no finished runs in `{folder.relative_to(ROOT)}`)\n"
+        return f"(no finished runs in {_where([folder])})\n"
     best = best_learning_rates(runs)
     opts = _order_grids((folder, *extra), {r["optimizer"] for r in runs})
     if base in opts:
@@ -220,8 +199,7 @@ def quality_table(folder: Path | None, base: str, from_log_note: bool, extra: li
         + f"`{base}` at its best (paired p) |"
     )
     lines = [
-        f"From {source} in `{folder.relative_to(ROOT)}`"
-        + "".join(f", `{f.relative_to(ROOT)}`" for f in extra)
+        f"From the runs in {_where([folder, *extra])}"
         + f"; seeds {seeds}; mean ± sample std over the seeds of each cell (n in brackets where it differs).",
         "",
         head,
@@ -279,14 +257,13 @@ def readme_table() -> str:
     """The short README table: H200 memory per optim/dtype, and the validation loss at each optimizer's best lr of the
     H200 quality grid and of the CPU grid."""
     folder = _latest("full_finetune_h200/speed_*")
-    cpu = RESULTS / "offline_full"
-    cpu_folders = [cpu, *sorted((RESULTS / "offline_full_extra").glob("*"))] if cpu.exists() else []
+    cpu_folders = ["offline_full", *ledger.grids("offline_full_extra/*")] if ledger.grids("offline_full") else []
     cpu_runs = [r for f in cpu_folders for r in _runs(f) if r.get("status") == "ok"]
     # the 4-bit grids of the same set-up; their torch AdamW runs repeat offline_full's (same seeds, same bits). Only
-    # the current 4-bit format's (version 2: folders v2_*); the other folders hold version 1's runs, for the record
+    # the current 4-bit format's (grids v2_*); the other grids hold version 1's runs, for the record
     cpu_runs += [
         r
-        for f in sorted((RESULTS / "offline_full_4bit").glob("v2_*"))
+        for f in ledger.grids("offline_full_4bit/v2_*")
         for r in _runs(f)
         if r.get("status") == "ok" and r["optimizer"].startswith("apexw_4bit")
     ]
@@ -356,9 +333,9 @@ def main() -> int:
             "ff-h200-quality": quality_table(
                 quality_gpu[0] if quality_gpu else None, BASE_GPU, False, quality_gpu[1:]
             ),
-            "ff-cpu-quality": quality_table(RESULTS / "offline_full", BASE_CPU, True),
+            "ff-cpu-quality": quality_table("offline_full", BASE_CPU, True),
             "ff-cpu-quality-extra": quality_table(
-                RESULTS / "offline_full", BASE_CPU, False, sorted((RESULTS / "offline_full_extra").glob("*"))
+                "offline_full", BASE_CPU, False, ledger.grids("offline_full_extra/*")
             ),
         },
         ROOT / "README.md": {"ff-readme": readme_table()},

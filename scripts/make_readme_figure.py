@@ -1,13 +1,11 @@
 """Make the README's figure (docs/readme_gains.png) and its speed table from stored results.
 
-Every number comes from files under ``docs/results/`` (nothing is typed by hand):
+Every number comes from the results ledger in ``docs/results/`` (nothing is typed by hand):
 
 * peak GPU memory of a full fine-tune of Llama-3.2-1B shapes on one H200, per optimizer and model dtype: the newest
-  ``docs/results/full_finetune_h200/speed_*/runs/*/result.json`` (the grid ``scripts/h200_full_finetune.sh speed``
-  writes; the same runs as the README's full fine-tune table);
+  grid ``full_finetune_h200/speed_*`` of ``compare.jsonl`` (the same runs as the README's full fine-tune table);
 * optimizer step time against torch fused AdamW, bitsandbytes 8-bit and torchao 8/4-bit, measured in one run of
-  ``scripts/bench_step.py``: ``docs/results/step_benchmark/`` (:data:`STEP_RUN`, the newest run that has every
-  baseline).
+  ``benchmarks/bench_step.py``: the run :data:`STEP_RUN` of ``step.jsonl`` (the newest run that has every baseline).
 
 The speed table is written between ``<!-- readme-speed -->`` and ``<!-- /readme-speed -->`` in README.md.
 
@@ -20,16 +18,17 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "docs" / "results"
+sys.path.insert(0, str(ROOT / "scripts"))
+import ledger  # noqa: E402
+
 FIGURE = ROOT / "docs" / "readme_gains.png"
 README = ROOT / "README.md"
 # the newest step-benchmark run with every baseline (torch fused, bitsandbytes, torchao) and every ApexW format
-STEP_RUN = RESULTS / "step_benchmark" / "step_h200_2026-12-03_5cd725d.json"
+STEP_RUN = "step_h200_2026-12-03_5cd725d"
 
 MEMORY_ROWS = [  # (optimizer spec in the grid, label)
     ("adamw_torch_fused@fp32", "torch AdamW, fp32 master weights"),
@@ -51,39 +50,44 @@ STEP_ROWS = [  # (bench_step.py optimizer name, label)
 STEP_WORKLOADS = ["Llama-3.2-1B shapes fp32", "LoRA Llama-3.2-3B (392 fp32)"]
 
 
-def _speed_grid() -> Path:
-    def date(p: Path) -> str:
-        runs = [json.loads(r.read_text()) for r in p.glob("runs/*/result.json")]
-        return max((r.get("environment", {}).get("date_utc", "") for r in runs), default="")
+def _speed_grid() -> str:
+    def date(g: str) -> str:
+        return max((r.get("environment", {}).get("date_utc", "") for r in ledger.runs(g)), default="")
 
-    grids = sorted((RESULTS / "full_finetune_h200").glob("speed_*"), key=lambda p: (date(p), p.name))
+    grids = sorted(ledger.grids("full_finetune_h200/speed_*"), key=lambda g: (date(g), g))
     if not grids:
-        raise SystemExit("no docs/results/full_finetune_h200/speed_* grid")
+        raise SystemExit("no grid full_finetune_h200/speed_* in docs/results/compare.jsonl")
     return grids[-1]
 
 
-def memory() -> tuple[Path, list[tuple[str, float]]]:
+def _step_rows() -> list[dict]:
+    found = [r for r in ledger.load("step") if r["run"] == STEP_RUN]
+    if not found:
+        raise SystemExit(f"no run {STEP_RUN} in docs/results/step.jsonl")
+    return found[0]["rows"]
+
+
+def memory() -> tuple[str, list[tuple[str, float]]]:
     grid = _speed_grid()
     runs = {}
-    for p in sorted(grid.glob("runs/*/result.json")):
-        r = json.loads(p.read_text())
+    for r in ledger.runs(grid):
         if r.get("status") == "ok":
             runs.setdefault(r["optimizer"], r["peak_gpu_mem_allocated_gib"])
     return grid, [(label, runs[spec]) for spec, label in MEMORY_ROWS if spec in runs]
 
 
 def step_times() -> dict[str, dict[str, float]]:
-    rows = json.loads(STEP_RUN.read_text())["rows"]
+    rows = _step_rows()
     ms = {(r["workload"], r["optimizer"]): r["median_ms"] for r in rows if r.get("status") == "ok"}
     return {w: {label: ms[(w, o)] for o, label in STEP_ROWS if (w, o) in ms} for w in STEP_WORKLOADS}
 
 
 def training_speed() -> str:
     """One line: whole training steps/s of the longer H200 runs (``full_finetune_h200/steady_*``), mean over seeds."""
-    grids = sorted((RESULTS / "full_finetune_h200").glob("steady_*"))
+    grids = ledger.grids("full_finetune_h200/steady_*")
     if not grids:
         return ""
-    runs = [json.loads(p.read_text()) for p in sorted(grids[-1].glob("runs/*/result.json"))]
+    runs = ledger.runs(grids[-1])
     by: dict[str, list[float]] = {}
     for r in runs:
         if r.get("status") == "ok":
@@ -102,7 +106,7 @@ def training_speed() -> str:
 
 def speed_table() -> str:
     times = step_times()
-    rows = json.loads(STEP_RUN.read_text())["rows"]
+    rows = _step_rows()
     bpp = {r["optimizer"]: r["state_bytes_per_param"] for r in rows if r["workload"] == STEP_WORKLOADS[0]}
     head = " | ".join(f"{w}: ms (x torch fused)" for w in STEP_WORKLOADS)
     lines = [f"| optimizer | state bytes/param | {head} |", "|---|---:|" + "---:|" * len(STEP_WORKLOADS)]
@@ -151,8 +155,8 @@ def figure(path: Path) -> None:
     fig.text(
         0.01,
         0.01,
-        f"Generated by scripts/make_readme_figure.py from docs/results/full_finetune_h200/{grid.name} and "
-        f"docs/results/step_benchmark/{STEP_RUN.name}",
+        f"Generated by scripts/make_readme_figure.py from docs/results/compare.jsonl (grid {grid}) and "
+        f"docs/results/step.jsonl (run {STEP_RUN})",
         fontsize=7,
         color="#666666",
     )

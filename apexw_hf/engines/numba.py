@@ -51,9 +51,9 @@ if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only i
 
 # numba's threading layer: "workqueue" unless the user chose one (NUMBA_THREADING_LAYER) or numba already started
 # its threads. Its workers sleep between parallel calls; the OpenMP layer's keep spinning, which takes the cores from
-# torch's own threads and from other processes: the offline default (apexw-compare, 2 training processes on 2 cores)
-# ran ApexW 8bit at 5.3-5.9 steps/s with the OpenMP layer and 17-19 with workqueue, torch AdamW ~21
-# (docs/results/cpu_step/notes_2026-12-03.md). workqueue runs one parallel call at a time per process: _LOCK.
+# torch's own threads and from other processes: with two training processes on two cores (apexw-compare's offline
+# default) the OpenMP layer made ApexW 8bit about three times slower than workqueue (docs/performance.md). workqueue
+# runs one parallel call at a time per process: _LOCK.
 if "NUMBA_THREADING_LAYER" not in os.environ and numba.config.THREADING_LAYER == "default":
     numba.config.THREADING_LAYER = "workqueue"
 _LOCK = threading.Lock()

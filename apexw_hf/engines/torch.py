@@ -20,7 +20,7 @@ for a CPU:
   PyTorch's cost per operation (a few microseconds of Python and dispatch, serial, while the other intra-op threads
   wait). On a 2-core CPU that serial part (with the single-threaded root) is still roughly a third of an 8-bit step,
   and the barrier that ends each operation costs up to twice the step when the two threads do not run together
-  (docs/results/cpu_step/notes_2026-12-03.md).
+  (docs/performance.md).
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
@@ -46,7 +46,7 @@ for a CPU:
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
 of the same plan goes instead to one fused loop compiled by numba (:mod:`apexw_hf.engines.numba`: the same bits,
-one pass over the data instead of about 64 operations; docs/results/cpu_step/notes_2026-12-03.md has the timings);
+one pass over the data instead of about 64 operations; docs/performance.md has the timings);
 without numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are
 not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
@@ -90,20 +90,15 @@ from .torch_passes import (
 logger = logging.getLogger(__name__)
 
 # Elements per chunk: 2 MiB per fp32 buffer, about 20 MiB of scratch in all (about 16 MiB touched by an 8-bit chunk).
-# On a 2-core EPYC, 2**19 and 2**18 tie when the machine is quiet, and 2**19 is 10-20% faster in the windows where an
-# OpenMP barrier per operation costs more (fewer operations per element); 2**17 and 2**20 are slower
-# (docs/results/cpu_step/notes_2026-12-03.md).
+# On a 2-core CPU, 2**19 and 2**18 tie when the machine is quiet, and 2**19 is faster when an OpenMP barrier per
+# operation costs more (fewer operations per element); 2**17 and 2**20 are slower (benchmarks/bench_cpu_step.py).
 CHUNK = 1 << 19
 
 
-# The engine's passes on a CUDA device were first run on an H200 at 5cd725d (tests/optim/test_torch_engine_cuda.py):
-# only fp32 state with fp32 parameters matched the reference; every path with random bits gave other bits (NaN
-# parameters among them). The cause was an int32 shift written into int16 (bf16 rounding, block scales), which CUDA
-# computes in int16 (torch_passes' docstring; a CPU test emulates that rule, test_torch_engine.py). Fixed in c69a298;
-# on an H200 at 34ce5de every format with fp32 and bf16 parameters then gave the reference's bits
-# (docs/results/gpu_tests/gpu_tests_h200_2026-12-03_34ce5de.log), and at 0cac18f, after the passes changed (scratch
-# sharing, the bf16 rounding's top half by a shift and a truncating copy, 2**19-element chunks), every format with
-# fp32, bf16 and fp16 parameters did (gpu_tests_h200_2026-12-03_0cac18f.log), so no combination is refused on CUDA.
+# On a CUDA device an int32 shift written into an int16 tensor (bf16 rounding, block scales) is computed in int16, not
+# in int32 as on the CPU: the passes keep such shifts in int32 (torch_passes' docstring; test_torch_engine.py
+# emulates the CUDA rule on the CPU). With that, every format with fp32, bf16 and fp16 parameters gives the
+# reference's bits on CUDA too (tests/optim/test_torch_engine_cuda.py, GPU only), so no combination is refused there.
 
 
 _NUMBA_ENGINE = None  # apexw_hf.engines.numba once imported; False when numba cannot be imported

@@ -14,7 +14,7 @@ class ApexW4bit(ApexW):
     rounding (unbiased for ``m``, unbiased in ``log2(v)`` for ``v``). Zero is stored exactly and a nonzero ``v`` is
     never stored as zero. ``v``'s scale is its block's exact maximum, so when a block's gradients shrink its codes
     stay and the scale decays by exactly ``beta2``: the update keeps AdamW's size (format version 1 rounded that
-    decay into the codes, a random walk that made updates about 2x too large; issue 27). Version-1 checkpoints are
+    decay into the codes, a random walk that made updates about 2x too large). Version-1 checkpoints are
     converted on load. Li et al. (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit moments
     reaching AdamW's quality with blocks of 128 and a ``v`` code without a zero point; the codes and their encoding
     are this project's (see :mod:`apexw_hf.reference`). About half the state of :class:`~apexw_hf.ApexW8bit`, with

@@ -1,4 +1,4 @@
-"""The LoRA fine-tuning recipe and the optimizer comparison runner (issue 5).
+"""The LoRA fine-tuning recipe and the optimizer comparison runner.
 
 * :mod:`.config`: one YAML file per set-up (model, LoRA, data, trainer arguments, comparison grid) in dataclasses.
 * :mod:`.data`: FineTome-100k / alpaca-cleaned through `datasets` when online, the shipped set offline.

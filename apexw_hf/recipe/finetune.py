@@ -272,7 +272,7 @@ def check_trainable_dtypes(model, param_dtype: str, backend: str) -> dict | None
     """After training: every trainable parameter must still have the run's dtype (``param_dtype``: ``"fp32"`` or
     ``"bf16"``), or the training stack cast it and the run does not measure what it says.
 
-    One exception: Unsloth's full fine-tuning loads the RMSNorm weights in fp32 (seen on an H200 at 5cd725d), the
+    One exception: Unsloth's full fine-tuning loads the RMSNorm weights in fp32 (Unsloth's choice), the
     model's own small fp32 parameters, stepped in fp32, not a master copy. With ``backend == "unsloth"`` fp32
     ``*norm.weight`` parameters are accepted and returned as ``{"tensors": n, "elements": n}`` for the run's record;
     None when every trainable parameter has the run's dtype. Anything else raises.

@@ -475,7 +475,7 @@ def test_4bit_taller_tiles(pdt, tile):
 @pytest.mark.parametrize("fmt", QUANTIZED)
 @pytest.mark.parametrize("pdt", ["fp32", "bf16"])
 def test_register_cap_keeps_the_bits(fmt, pdt):
-    """A register cap (LaunchPlan(maxnreg=...), timed by scripts/four_bit_tiles.py) changes register allocation only:
+    """A register cap (LaunchPlan(maxnreg=...), timed on a GPU) changes register allocation only:
     the capped kernel matches the reference bit for bit on both load paths (on a GPU, with spills at 64 for bf16)."""
     gen = torch.Generator().manual_seed(21)
     for shapes, words in (([(2048,), (768,), (3, 256)], True), ([(1000,), (128,), (385,)], False)):

@@ -56,20 +56,14 @@ _TL_DTYPES = {
     torch.float16: triton.language.float16,
 }
 
-# (rows of 256 elements per program, warps) by state format and parameter element size in bytes, from H200 timings
-# on 4 x 8192^2 (scripts/bench_step.py --tune: docs/results/step_benchmark/tune_h200_2026-11-30.json;
-# scripts/probes/issue_probe.py: docs/results/probes/probe_h200x2_2026-11-30.json). Every winner has 8 elements per
-# thread. One warp per 256-element block (a block's absmax is then a warp reduction without shared memory) is fastest,
-# or within 1%, for fp32 parameters and for 8-bit state. Compact state with 16-bit parameters moves the fewest bytes
-# per element and runs 2% faster with four warps per program (1.009 ms against 1.029 ms for 1 x 1 in the probe, 0.999
-# against 1.019 in the tune): at most 32 programs are resident per SM, so one-warp programs cap an SM at 32 warps in
-# flight. Rechecked for the 8-bit format version 2 (H200, 4 x 8192^2, median of 40 launches): bf16 parameters 1.102 ms
-# with 1 x 1 against 1.204 (2 x 2), 1.211 (4 x 4), 1.349 (8 x 8) and 1.386 (2 x 1, 16 elements per thread); fp32
-# parameters 1.205 with 1 x 1, 1.195 with 4 x 4, 1.200 with 2 x 2; compact bf16 0.922 (1 x 1) and 0.911 (4 x 4).
-# 4-bit takes 8-bit's tile (1 x 256 elements, one warp: two 128-element blocks of half a warp each), timed against the
-# others on the H200 (scripts/probes/tile_probe.py, docs/results/step_benchmark/tile_h200_2026-12-03_34ce5de_*): on the
-# LoRA set fp32 / bf16 1 x 1 0.108 / 0.098 ms, 2 x 2 0.109 / 0.098, 2 x 1 0.109 / 0.107, 4 x 4 0.112 / 0.099, 1 x 2
-# 0.119 / 0.114; on 4 x 8192^2 fp32 1 x 1 1.043 ms, 2 x 1 1.062, 2 x 2 1.110.
+# (rows of 256 elements per program, warps) by state format and parameter element size in bytes, the winners of
+# benchmarks/bench_step.py --tune on 4 x 8192^2 (the timings are in the results ledger, docs/performance.md). Every
+# winner has 8 elements per thread. One warp per 256-element block (a block's absmax is then a warp reduction without
+# shared memory) is fastest, or within 1%, for fp32 parameters and for 8-bit state, and larger tiles or 16 elements
+# per thread are slower. Compact state with 16-bit parameters moves the fewest bytes per element and runs about 2%
+# faster with four warps per program: at most 32 programs are resident per SM, so one-warp programs cap an SM at 32
+# warps in flight. 4-bit takes 8-bit's tile (1 x 256 elements, one warp: two 128-element blocks of half a warp
+# each); no other tile was faster for it on the LoRA set or on 4 x 8192^2.
 LAUNCH_CONFIG = {
     "fp32": {4: (1, 1), 2: (1, 1)},
     "compact": {4: (1, 1), 2: (4, 4)},
@@ -82,15 +76,10 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # Register cap per thread (ptxas .maxnreg) of the default tile, by (format, parameter dtype, stochastic parameter
 # rounding (False for fp32 parameters), whole 256-element rows, per-tensor steps): LaunchPlan's maxnreg="auto". The
 # one-warp 1 x 256 tile is limited by registers: an SM holds at most 32 resident programs, and its 65,536 registers
-# give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state (format version 2,
-# encoding of d9882d7): with bf16 parameters rounded stochastically it takes 71 registers (sm_90, triton 3.6); capped
-# at 64 (no spill) it ran 0.989x / 0.988x the uncapped time on 4 x 8192^2 / Llama-3.2-1B shapes (60: 4 bytes spilled,
-# slower; 68 and 72 no faster than none). With fp32 parameters it takes 72; capped at 64 (2 bytes spilled) it ran
-# 0.985x / 0.995x / 0.978x the uncapped time on 4 x 8192^2 / 1B / the LoRA set (68, no spill: 1.026x version 1's
-# time on 4 x 8192^2 where 64 ran 1.021x, in a second run).
-# H100, scripts/four_bit_tiles.py at d9882d7, 7 interleaved rounds (docs/results/four_bit_v2/tiles_h100_d9882d7);
-# at 6aa268f (the integer maximum of 03097b8) cap 64 ran 0.98-0.99x the uncapped time with bf16, cap 68 slower
-# than 64 (tiles_h100_6aa268f).
+# give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state with bf16 parameters
+# rounded stochastically takes about 71 registers (sm_90), with fp32 parameters about 72: capped at 64 (no spill, or
+# 2 bytes with fp32 parameters) it runs 1-2% faster than uncapped on large tensors and on the LoRA set; a cap of 60
+# spills more and is slower, 68 and 72 are no faster than none (the measurements are in the results ledger).
 # A cap changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with
 # caps).
 MAX_REGISTERS = {
@@ -170,7 +159,7 @@ class LaunchPlan:
             per program; default by format.
         maxnreg: a cap on registers per thread for ptxas: ``"auto"`` (default) the measured caps of
             :data:`MAX_REGISTERS` for the default tile, ``None`` the compiler's choice, or an int in 24..255 (for
-            timing register-limited kernels, scripts/four_bit_tiles.py). Register allocation only: the bits are the
+            timing register-limited kernels). Register allocation only: the bits are the
             same with any cap.
     """
 

@@ -1,0 +1,524 @@
+"""What fits where: peak GPU memory and seconds per step of a full fine-tune through the Hugging Face Trainer.
+
+One process per run (``--run``); the driver (default) runs every requested cell in its own subprocess, one at a
+time, and writes one JSON per run plus ``results.csv`` under ``--out``. Llama shapes with random weights (no model
+hub), bf16 model (``@fp32``: fp32 master weights under bf16 autocast), random tokens of ``--seq`` x ``--batch``,
+gradient checkpointing, ``max_grad_norm`` 1.0 (the Trainer's default), ``--steps`` optimizer steps; s/step is the
+median over the steps after ``--warmup``.
+
+Cells are ``<optimizer>[+liger]@<dtype>``, the optimizer one of: ``torch_fused`` (torch.optim.AdamW(fused=True)),
+``bnb_8bit`` (bitsandbytes AdamW8bit), ``torchao_8bit`` / ``torchao_4bit`` (torchao AdamW8bit/AdamW4bit with
+``bf16_stochastic_round`` on a bf16 model), or any ApexW optim name (``apexw_8bit``, ``apexw_4bit_release``, ...),
+which goes through ``TrainingArguments(optim=...)`` as a user would write it. ``+liger`` sets
+``use_liger_kernel=True`` (Liger-Kernel's fused linear cross-entropy: the logits are never materialized).
+``torchao_8bit_inbwd`` / ``torchao_4bit_inbwd`` run torchao's optimizers "in backward" by PyTorch's recipe (one
+optimizer per parameter, stepped in its post-accumulate-grad hook with the scheduler's lr, the gradient freed at once;
+:func:`in_backward_optimizer`): the gradient memory of gradient release without ApexW, and without clipping, which
+needs every gradient (those cells run with ``max_grad_norm=0``).
+
+``--optim-args`` passes ``TrainingArguments(optim_args=...)`` to the ApexW cells (``release_bucket_size=8388608``,
+...); ``--tag`` names such a variant in the output files. ``--snapshot`` records the allocator's history over the
+first step after the warm-up and writes ``<run>.peak.txt``: the step's peak replayed from the trace, the bytes
+allocated before the step (weights, optimizer state, ...) and the step's own allocations alive at the peak, grouped
+by the Python frame that made them (:func:`peak_breakdown`). With ``--snapshot-from build`` the recording starts once
+the model is built, before the Trainer exists, and runs to the end of that same step: the baseline is then the
+weights alone, and the optimizer's state, the Trainer's and the libraries' buffers show up by site too.
+
+    python3 benchmarks/bench_full_finetune_memory.py --shapes 1b --cells apexw_8bit@bf16,apexw_8bit_release+liger@bf16
+    python3 benchmarks/bench_full_finetune_memory.py --shapes 3b --cells apexw_4bit_release+liger@bf16 --snapshot \
+        --optim-args release_bucket_size=8388608 --tag bucket8m
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {  # Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, tie_word_embeddings=True),
+    "3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+}
+GIB = 2**30
+GPU_SIZES_GB = (16, 24, 32, 40, 80)
+CONTEXT_GIB = 0.75  # CUDA context, cuBLAS workspace and what the driver keeps: assumed, not measured per GPU
+
+
+def run_name(shape: str, cell: str, tag: str = "") -> str:
+    """The file name stem of one run: ``3b_apexw_4bit_release_liger_at_bf16`` (+ ``_<tag>``)."""
+    return f"{shape}_{cell.replace('@', '_at_').replace('+', '_')}" + (f"_{tag}" if tag else "")
+
+
+def fits(reserved_gib: float) -> str:
+    """The GPU sizes (GB, 10**9 bytes) whose memory holds the peak reserved bytes plus the context allowance."""
+    ok = [s for s in GPU_SIZES_GB if reserved_gib + CONTEXT_GIB <= s * 1e9 / GIB]
+    return ",".join(map(str, ok)) if ok else "-"
+
+
+def in_backward_optimizer(inner_cls):
+    """A ``torch.optim.Optimizer`` class for the Trainer that runs ``inner_cls`` by PyTorch's optimizer-in-backward
+    recipe: one ``inner_cls`` optimizer per trainable parameter, stepped in the parameter's post-accumulate-grad hook
+    with the lr and weight decay its group holds then (the Trainer's scheduler sets the group's lr), and the gradient
+    freed at once. ``step()`` and ``zero_grad()`` find nothing left to do. Gradient clipping cannot work with it (no
+    gradient outlives its hook): run it with ``max_grad_norm=0``."""
+    import torch
+
+    class InBackward(torch.optim.Optimizer):
+        gradient_release = True
+
+        def __init__(self, params, lr, **inner_kwargs):
+            wd = inner_kwargs.pop("weight_decay", 0.0)
+            super().__init__(params, {"lr": lr, "weight_decay": wd})
+            self.inner = {}
+            for gi, group in enumerate(self.param_groups):
+                for p in group["params"]:
+                    if p.requires_grad:
+                        opt = inner_cls([p], lr=group["lr"], weight_decay=group["weight_decay"], **inner_kwargs)
+                        self.inner[p] = (opt, gi)
+                        p.register_post_accumulate_grad_hook(self._hook)
+
+        def _hook(self, p):
+            # the group by index: load_state_dict (Accelerate's prepare calls it) replaces the group dicts
+            opt, gi = self.inner[p]
+            group = self.param_groups[gi]
+            for g in opt.param_groups:
+                if isinstance(g["lr"], torch.Tensor):
+                    g["lr"].fill_(group["lr"])
+                else:
+                    g["lr"] = group["lr"]
+            opt.step()
+            p.grad = None
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            if any(p.grad is not None for p in self.inner):
+                raise RuntimeError("in-backward optimizer: a gradient outlived its hook (no accumulation with it)")
+
+    return InBackward
+
+
+_SITE_HINTS = ("apexw_hf", "liger_kernel", "transformers", "accelerate", "torch/utils/checkpoint", "torchao",
+               "bitsandbytes", "bench_full_finetune_memory")
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame in a library of the stack (else the innermost frame)."""
+    if not frames:
+        return "(no Python frame: autograd's engine thread)"
+    pick = next((f for f in frames if any(h in f.get("filename", "") for h in _SITE_HINTS)), frames[0])
+    name = pick.get("filename", "?")
+    for h in _SITE_HINTS:
+        if h in name:
+            name = name[name.index(h):]
+            break
+    return f"{name}:{pick.get('line', '?')} {pick.get('name', '?')}"
+
+
+def peak_breakdown(events: list[dict], baseline: int, top: int = 20) -> dict:
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``) that began with
+    ``baseline`` bytes allocated: the peak, when it came, and the trace's allocations alive at it by site."""
+    cur = peak = baseline
+    peak_at = -1
+    for i, ev in enumerate(events):
+        if ev["action"] == "alloc":
+            cur += ev["size"]
+        elif ev["action"] == "free_completed":
+            cur -= ev["size"]
+        else:
+            continue
+        if cur > peak:
+            peak, peak_at = cur, i
+    live: dict[int, dict] = {}
+    freed_before = 0  # bytes allocated before the trace and freed by the peak
+    for ev in events[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed" and live.pop(ev["addr"], None) is None:
+            freed_before += ev["size"]
+    sites: dict[str, list[int]] = {}
+    for ev in live.values():
+        entry = sites.setdefault(_site(ev.get("frames") or []), [0, 0])
+        entry[0] += ev["size"]
+        entry[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])
+    return {
+        "peak_bytes": peak, "baseline_bytes": baseline, "baseline_freed_by_peak": freed_before,
+        "peak_event": peak_at, "events": len(events), "new_alive_at_peak": sum(v[0] for v in sites.values()),
+        "sites": [{"site": k, "bytes": v[0], "blocks": v[1]} for k, v in ranked[:top]],
+        "other_sites_bytes": sum(v[0] for _, v in ranked[top:]),
+    }
+
+
+def _peak_text(b: dict, run_peak: int, start: str = "step") -> str:
+    mib = 2**20
+    before, during = {
+        "step": ("before the step (weights, optimizer state, ...)", "during the step"),
+        "build": ("before the trace (the model's weights)", "from the Trainer's creation to the traced step's end"),
+    }[start]
+    lines = [
+        f"peak of the recorded {'step' if start == 'step' else 'steps'}, replayed: {b['peak_bytes'] / GIB:.3f} GiB "
+        f"(the run's max_memory_allocated: {run_peak / GIB:.3f} GiB; at trace event {b['peak_event']} of "
+        f"{b['events']})",
+        f"allocated {before}: {b['baseline_bytes'] / GIB:.3f} GiB, of which "
+        f"{b['baseline_freed_by_peak'] / mib:.1f} MiB freed by the peak",
+        f"allocated {during} and alive at the peak: {b['new_alive_at_peak'] / GIB:.3f} GiB, by site:", "",
+    ]
+    for s in b["sites"]:
+        lines.append(f"{s['bytes'] / mib:10.1f} MiB {s['blocks']:6d} blocks  {s['site']}")
+    lines.append(f"{b['other_sites_bytes'] / mib:10.1f} MiB in other sites")
+    return "\n".join(lines) + "\n"
+
+
+def run_one(cell: str, shape: str, args) -> dict:
+    import torch
+    from torch.utils.data import Dataset
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    import apexw_hf
+    from apexw_hf.integrations.transformers import APEXW_OPTIMIZERS
+
+    spec, dtype_name = cell.split("@")
+    optim, _, extra = spec.partition("+")
+    liger = extra == "liger"
+    model_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    cfg = LlamaConfig(vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=args.seq,
+                      **SHAPES[shape])
+    torch.manual_seed(0)
+    torch.set_default_dtype(model_dtype)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    nparams = sum(p.numel() for p in model.parameters())
+
+    class Tokens(Dataset):
+        def __len__(self):
+            return args.batch * (args.steps + 1)
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            ids = torch.randint(0, cfg.vocab_size, (args.seq,), generator=g)
+            return {"input_ids": ids, "labels": ids}
+
+    kw = {}
+    training = dict(output_dir=str(Path(args.out) / "trainer" / f"{shape}_{cell}"), max_steps=args.steps,
+                    per_device_train_batch_size=args.batch, learning_rate=1e-5, bf16=True, gradient_checkpointing=True,
+                    logging_steps=max(1, args.steps // 2), save_strategy="no", report_to=[], max_grad_norm=1.0,
+                    dataloader_num_workers=0, use_liger_kernel=liger, weight_decay=0.01)
+    if args.optim_args and optim not in APEXW_OPTIMIZERS:
+        raise SystemExit(f"--optim-args is for the ApexW cells; {cell!r} is not one")
+    if optim in APEXW_OPTIMIZERS:
+        training["optim"] = optim
+        if args.optim_args:
+            training["optim_args"] = args.optim_args
+    elif optim == "torch_fused":
+        kw["optimizer_cls_and_kwargs"] = (torch.optim.AdamW, {"lr": 1e-5, "fused": True})
+    elif optim == "bnb_8bit":
+        import bitsandbytes as bnb
+
+        kw["optimizer_cls_and_kwargs"] = (bnb.optim.AdamW8bit, {"lr": 1e-5})
+    elif optim in ("torchao_8bit", "torchao_4bit", "torchao_8bit_inbwd", "torchao_4bit_inbwd"):
+        from torchao.optim import AdamW4bit, AdamW8bit
+
+        cls = AdamW8bit if optim.startswith("torchao_8bit") else AdamW4bit
+        if optim.endswith("_inbwd"):
+            cls = in_backward_optimizer(cls)
+            training["max_grad_norm"] = 0.0  # no gradient outlives its hook: nothing to clip
+        kw["optimizer_cls_and_kwargs"] = (cls, {"lr": 1e-5, "bf16_stochastic_round": model_dtype == torch.bfloat16})
+    else:
+        raise SystemExit(f"unknown optimizer {optim!r}")
+
+    times, grads_alive, release_marks = [], [], []
+    prof = None
+    if args.profile:
+        # a few steps after the warm-up: where the host and the GPU spend each step (the release flushes run on the
+        # autograd thread inside backward; a GPU waiting on them shows as device time well under the step's wall time)
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                       schedule=schedule(wait=args.warmup, warmup=2, active=args.profile, repeat=1))
+
+    snapshot = {}
+    call_totals = install_call_timers() if args.time_calls else None
+    call_marks = []
+
+    class Probe(TrainerCallback):
+        def on_step_begin(self, a, state, control, **k):
+            if args.snapshot and args.snapshot_from == "step" and state.global_step == args.warmup:
+                torch.cuda.synchronize()
+                snapshot["baseline"] = torch.cuda.memory_allocated()
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+
+        def on_pre_optimizer_step(self, a, state, control, model=None, **k):
+            grads_alive.append(sum(p.grad is not None for p in model.parameters()))
+
+        def on_step_end(self, a, state, control, **k):
+            if "baseline" in snapshot and "trace" not in snapshot and state.global_step > args.warmup:
+                # the recorded step's time includes the recording and this read-out (one step of the median's)
+                trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+                torch.cuda.memory._record_memory_history(enabled=None)
+                snapshot["trace"] = trace
+            torch.cuda.synchronize()
+            times.append(time.perf_counter())
+            if call_totals is not None:
+                call_marks.append({k: tuple(v) for k, v in call_totals.items()})
+            inner_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+            release = getattr(inner_opt, "_release", None)
+            if release is not None:
+                # grad_moves: bucket launches whose gradients were at new addresses (checked and copied to the GPU)
+                moves = getattr(getattr(inner_opt, "_engine", None), "grad_moves", 0)
+                release_marks.append((release.flushes, release.host_seconds, moves))
+            if prof is not None:
+                prof.step()
+
+    torch.cuda.reset_peak_memory_stats()
+    if args.snapshot and args.snapshot_from == "build":
+        torch.cuda.synchronize()
+        snapshot["baseline"] = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    trainer = Trainer(model=model, args=TrainingArguments(**training), train_dataset=Tokens(), callbacks=[Probe()],
+                      **kw)
+    if prof is not None:
+        prof.start()
+    trainer.train()
+    opt = trainer.optimizer
+    inner = getattr(opt, "optimizer", opt)
+    all_steps = [b - a for a, b in zip(times, times[1:])]
+    steps = all_steps[args.warmup - 1:]
+    release = {}
+    if len(release_marks) > args.warmup:
+        (f0, h0, m0), (f1, h1, m1) = release_marks[args.warmup - 1], release_marks[-1]
+        n = len(release_marks) - args.warmup
+        release = {"release_flushes_per_step": (f1 - f0) / n, "release_host_ms_per_step": 1e3 * (h1 - h0) / n,
+                   "release_grad_moves_per_step": (m1 - m0) / n}
+        offload = getattr(inner._release, "offload", None)
+        if offload is not None:  # tied_grad_offload: gradient parts offloaded over the whole run
+            release["tied_grad_parts_offloaded"] = offload.offloaded
+    calls = {}
+    if len(call_marks) > args.warmup:
+        first, last = call_marks[args.warmup - 1], call_marks[-1]
+        n = len(call_marks) - args.warmup
+        calls = {"host_calls_per_step": {k: {"calls": (last[k][0] - first[k][0]) / n,
+                                            "ms": round(1e3 * (last[k][1] - first[k][1]) / n, 3)} for k in last}}
+    name = run_name(shape, cell, args.tag)
+    profile_file = None
+    if prof is not None:
+        prof.stop()
+        profile_file = _write_profile(prof, Path(args.out) / f"{name}.profile.txt", args.profile, all_steps)
+    peak_file, peak = None, None
+    if "trace" in snapshot:
+        peak = peak_breakdown(snapshot["trace"], snapshot["baseline"])
+        peak_file = f"{name}.peak.txt"
+        text = _peak_text(peak, torch.cuda.max_memory_allocated(), args.snapshot_from)
+        (Path(args.out) / peak_file).write_text(text)
+    if hasattr(inner, "inner"):  # the in-backward wrapper: its per-parameter optimizers hold the state
+        state_bytes = sum(apexw_hf.optimizer_state_bytes(o) for o, _ in inner.inner.values())
+    else:
+        state_bytes = apexw_hf.optimizer_state_bytes(inner)
+    logs = [h for h in trainer.state.log_history if "grad_norm" in h]
+    return {
+        "shape": shape, "cell": cell, "optimizer": optim, "liger": liger, "model_dtype": dtype_name,
+        "params": nparams, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "s_per_step": statistics.median(steps) if steps else None,
+        "step_s": [round(t, 5) for t in all_steps],
+        **release,
+        **calls,
+        "profile": profile_file,
+        "optimizer_state_mib": state_bytes / 2**20,
+        "optim_args": args.optim_args or None, "tag": args.tag or None,
+        "max_grad_norm": training["max_grad_norm"],
+        "peak_breakdown": peak, "peak_file": peak_file, "snapshot_step": args.warmup + 1 if args.snapshot else None,
+        "snapshot_from": args.snapshot_from if args.snapshot else None,
+        "gradient_release": bool(getattr(inner, "gradient_release", False)),
+        "grads_alive_before_step": grads_alive[-1] if grads_alive else None,
+        "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
+        "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    }
+
+
+# --time-calls: the optimizer's host-side functions, timed by wrappers (they run on autograd's thread inside backward
+# with gradient release, where cProfile, bound to the thread that enabled it, does not see them)
+TIMED_CALLS = (
+    "apexw_hf.optim.release:GradientRelease.on_grad_ready",
+    "apexw_hf.optim.release:GradientRelease.flush",
+    "apexw_hf.optim.release:GradientRelease._account",
+    "apexw_hf.optim.release:GradientRelease._account_parts",
+    "apexw_hf.optim.release:_norm_parts",
+    "apexw_hf.engines.triton.kernels.release_norm:grad_sumsq_",
+    "apexw_hf.engines.triton.kernels.release_norm:release_norm_",
+    "apexw_hf.optim.release:_scale_",
+    "apexw_hf.engines.triton.engine:TritonEngine.step_group",
+    "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.set_grad_ptrs",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.launch",
+)
+
+
+def install_call_timers() -> dict[str, list]:
+    """Wrap each of ``TIMED_CALLS`` with a timer: name -> [calls, seconds] (nested calls count in both)."""
+    import functools
+    import importlib
+
+    totals = {}
+    for spec in TIMED_CALLS:
+        module_name, qual = spec.split(":")
+        owner = importlib.import_module(module_name)
+        *path, attr = qual.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        fn = getattr(owner, attr)
+        totals[qual] = acc = [0, 0.0]
+
+        def timed(*a, _fn=fn, _acc=acc, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _acc[0] += 1
+                _acc[1] += time.perf_counter() - t0
+
+        setattr(owner, attr, functools.wraps(fn)(timed))
+    return totals
+
+
+def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
+    """The profiled steps' operators by self CUDA and self CPU time, and the GPU's busy time per step."""
+    events = prof.key_averages()
+    from torch.autograd import DeviceType
+
+    # kernels only (an operator's row repeats the time of the kernels it launched; the "ProfilerStep#N" rows are the
+    # steps' own GPU-side annotations, spanning them whole, and would count the step's time once more)
+    device_us = sum(
+        e.self_device_time_total
+        for e in events
+        if e.device_type == DeviceType.CUDA and not e.key.startswith("ProfilerStep")
+    ) / steps
+    lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
+             f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
+    lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+    lines.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    path.write_text("\n".join(lines))
+    return path.name
+
+
+def provenance() -> dict:
+    import torch
+
+    versions = {}
+    for name in ("torch", "triton", "transformers", "accelerate", "bitsandbytes", "torchao", "liger_kernel"):
+        try:
+            versions[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - a missing baseline is recorded as such
+            versions[name] = None
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "versions": versions, "python": platform.python_version(),
+        "commit": os.environ.get("APEXW_COMMIT") or _git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1b")
+    ap.add_argument("--cells", default="", help="comma-separated <optimizer>[+liger]@<bf16|fp32>")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--out", default="runs/full_memory")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="profile this many steps after the warm-up (torch.profiler)")
+    ap.add_argument("--time-calls", action="store_true",
+                    help="host time per step of the optimizer's functions (TIMED_CALLS), in each run's JSON")
+    ap.add_argument("--optim-args", default="", help="TrainingArguments(optim_args=...) of the ApexW cells")
+    ap.add_argument("--tag", default="", help="a name for this variant, added to the output files' names")
+    ap.add_argument("--snapshot", action="store_true",
+                    help="record the allocator's history over the first step after the warm-up: <run>.peak.txt")
+    ap.add_argument("--snapshot-from", choices=("step", "build"), default="step",
+                    help="with --snapshot: start recording at that step (default) or once the model is built")
+    ap.add_argument("--run", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.profile < 0:
+        ap.error(f"--profile must be 0 (no profile) or a positive number of steps, got {args.profile}")
+    if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
+        ap.error(f"--tag must be letters, digits, '-', '_' or '.', got {args.tag!r}")
+    if args.optim_args and not args.tag:
+        ap.error("--optim-args changes what a cell measures: name the variant with --tag")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.run:
+        shape, cell = args.run.split(":", 1)
+        row = {**run_one(cell, shape, args), **provenance()}
+        (out / f"{run_name(shape, cell, args.tag)}.json").write_text(json.dumps(row, indent=1))
+        return
+    rows = []
+    for shape in args.shapes.split(","):
+        for cell in args.cells.split(","):
+            cmd = [sys.executable, __file__, "--run", f"{shape}:{cell}", "--out", str(out), "--seq", str(args.seq),
+                   "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag]
+            cmd += ["--snapshot", "--snapshot-from", args.snapshot_from] if args.snapshot else []
+            cmd += ["--time-calls"] if args.time_calls else []
+            t0 = time.time()
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                err = proc.stderr[-3000:] if proc.returncode else ""
+            except subprocess.TimeoutExpired:
+                err = f"timeout after {args.timeout} s"
+            path = out / f"{run_name(shape, cell, args.tag)}.json"
+            if path.exists() and not err:
+                row = json.loads(path.read_text())
+            else:
+                oom = "OutOfMemoryError" in err or "out of memory" in err
+                row = {"shape": shape, "cell": cell, "error": "OOM" if oom else err.strip().splitlines()[-1:]}
+                (out / f"{run_name(shape, cell, args.tag)}.err.txt").write_text(err)
+            row["wall_s"] = round(time.time() - t0, 1)
+            rows.append(row)
+            rel = ""
+            if "release_flushes_per_step" in row:
+                rel = (f"  release: {row['release_flushes_per_step']:.1f} flushes, "
+                       f"{row['release_host_ms_per_step']:.1f} host ms/step")
+                if "tied_grad_parts_offloaded" in row:
+                    rel += f", {row['tied_grad_parts_offloaded']} tied parts offloaded"
+            for k, v in row.get("host_calls_per_step", {}).items():
+                rel += f"\n      {k:40} {v['calls']:6.1f} calls {v['ms']:8.3f} ms/step"
+            fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
+            nan = float("nan")
+            print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
+                  f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
+                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}",
+                  flush=True)
+    keys = ["shape", "cell", "tag", "optim_args", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step",
+            "optimizer_state_mib", "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit",
+            "date", "error"]
+    with open(out / "results.csv", "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        if f.tell() == 0:
+            w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()
