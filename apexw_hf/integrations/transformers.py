@@ -208,6 +208,13 @@ def uses_gradient_release(args) -> bool:
     return name.endswith(RELEASE_SUFFIX) or bool(requested)
 
 
+def _without_release(name: str) -> str:
+    """How to turn release off for ``optim=name``: the name without ``_release``, or the optim_args item to drop."""
+    if name.endswith(RELEASE_SUFFIX):
+        return f"optim={name.removesuffix(RELEASE_SUFFIX)!r}"
+    return "drop gradient_release=true from optim_args"
+
+
 def check_gradient_release_args(args) -> None:
     """Refuse, with what to set instead, the Trainer settings that gradient release cannot honour."""
     if not uses_gradient_release(args):
@@ -218,19 +225,18 @@ def check_gradient_release_args(args) -> None:
             f"optim={name!r} with gradient release cannot accumulate gradients "
             f"(gradient_accumulation_steps={args.gradient_accumulation_steps}): each parameter is updated as soon as "
             "its gradient is complete, in every backward pass. Set gradient_accumulation_steps=1 and raise "
-            "per_device_train_batch_size instead, or use the optimizer without release "
-            f"(optim={name.removesuffix(RELEASE_SUFFIX)!r})."
+            f"per_device_train_batch_size instead, or use the optimizer without release ({_without_release(name)})."
         )
     if getattr(args, "fp16", False):
         raise ValueError(
             f"optim={name!r} with gradient release cannot train with fp16=True: the GradScaler would need every "
             "gradient before the update (to unscale it and skip steps with inf/NaN), and release applies each one in "
-            "backward. Use bf16=True (Ampere or newer), or the optimizer without release."
+            f"backward. Use bf16=True (Ampere or newer), or the optimizer without release ({_without_release(name)})."
         )
     if getattr(args, "deepspeed", None):
         raise ValueError(
             f"optim={name!r} with gradient release cannot run under DeepSpeed, which owns the gradients; use FSDP2 "
-            "(fsdp_version 2) or one GPU, or the optimizer without release."
+            f"(fsdp_version 2) or one GPU, or the optimizer without release ({_without_release(name)})."
         )
     fsdp_config = getattr(args, "fsdp_config", None)
     if getattr(args, "fsdp", None) and isinstance(fsdp_config, dict):
@@ -239,7 +245,8 @@ def check_gradient_release_args(args) -> None:
             raise ValueError(
                 f"optim={name!r} with gradient release supports FSDP2 only, and fsdp_config sets version {version}: "
                 "FSDP1 reduce-scatters flat parameters in its own post-backward hook, outside the per-parameter hooks "
-                'that release uses. Set fsdp_config {"version": 2}, or use the optimizer without release.'
+                'that release uses. Set fsdp_config {"version": 2}, or use the optimizer without release '
+                f"({_without_release(name)})."
             )
 
 
