@@ -7,6 +7,8 @@ takes seconds):
 * if transformers' modules are already imported, they are patched at once;
 * otherwise a ``sys.meta_path`` finder waits for ``transformers.training_args`` (and ``trainer_optimizer`` /
   ``trainer``) to be imported and patches each right after its code has run, before the importer sees it;
+* it wraps ``Trainer.create_optimizer``, so that ``optimizer_cls_and_kwargs=(ApexW8bit, {"weight_decay": ...})``
+  keeps that weight decay (:func:`apexw_hf.integrations.transformers.explicit_weight_decay`);
 * it wraps two methods of ``accelerate.Accelerator`` for optimizers with gradient release
   (:mod:`apexw_hf.integrations.accelerate`: the pre-clip ``grad_norm``, refusals before the first update);
 * the same finder patches Unsloth's CPU mode (``unsloth_zoo.cpu.trainer``), which would otherwise rewrite
@@ -43,9 +45,10 @@ def _on_trainer_optimizer(module) -> None:
 
 
 def _on_trainer(module) -> None:
-    from .transformers import register_optimizer_handler
+    from .transformers import patch_create_optimizer, register_optimizer_handler
 
     register_optimizer_handler(trainer_optimizer_module=sys.modules.get(_TRAINER_OPTIMIZER), trainer_module=module)
+    patch_create_optimizer(module)
 
 
 def _on_accelerator(module) -> None:

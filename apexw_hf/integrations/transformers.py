@@ -14,9 +14,13 @@ its ``--optim`` choices from that enum when a parser is built, and the Trainer r
    ``TrainingArguments.__post_init__``, i.e. when the arguments are built, not minutes later in ``train()``;
 3. adds a handler to ``_OPTIMIZER_HANDLERS`` or, before 5.2, wraps ``Trainer.get_optimizer_cls_and_kwargs``.
 
+4. wraps ``Trainer.create_optimizer`` so that ``optimizer_cls_and_kwargs=(ApexW8bit, {"weight_decay": ...})`` keeps
+   that weight decay (the Trainer would put ``TrainingArguments.weight_decay`` into its param groups over it), or
+   refuses a conflicting non-zero ``TrainingArguments.weight_decay``: see :func:`explicit_weight_decay`.
+
 Every step is idempotent (markers live on the transformers objects themselves, so a re-imported ``apexw_hf`` does
-not wrap twice). Users who prefer no patching at all can pass ``optimizer_cls_and_kwargs=(ApexW8bit, {...})`` to the
-Trainer; see ``docs/integration.md``.
+not wrap twice). Users who prefer no patching of the optimizer names can pass
+``optimizer_cls_and_kwargs=(ApexW8bit, {...})`` to the Trainer; see ``docs/integration.md``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ __all__ = [
     "register",
     "register_optimizer_names",
     "register_optimizer_handler",
+    "patch_create_optimizer",
+    "explicit_weight_decay",
 ]
 
 # optim name -> (OptimizerNames member name, state_format). "fp32" state gets no name of its own: it is the
@@ -203,6 +209,13 @@ def uses_gradient_release(args) -> bool:
     return name.endswith(RELEASE_SUFFIX) or bool(requested)
 
 
+def _without_release(name: str) -> str:
+    """How to turn release off for ``optim=name``: the name without ``_release``, or the optim_args item to drop."""
+    if name.endswith(RELEASE_SUFFIX):
+        return f"optim={name.removesuffix(RELEASE_SUFFIX)!r}"
+    return "drop gradient_release=true from optim_args"
+
+
 def check_gradient_release_args(args) -> None:
     """Refuse, with what to set instead, the Trainer settings that gradient release cannot honour."""
     if not uses_gradient_release(args):
@@ -213,19 +226,18 @@ def check_gradient_release_args(args) -> None:
             f"optim={name!r} with gradient release cannot accumulate gradients "
             f"(gradient_accumulation_steps={args.gradient_accumulation_steps}): each parameter is updated as soon as "
             "its gradient is complete, in every backward pass. Set gradient_accumulation_steps=1 and raise "
-            "per_device_train_batch_size instead, or use the optimizer without release "
-            f"(optim={name.removesuffix(RELEASE_SUFFIX)!r})."
+            f"per_device_train_batch_size instead, or use the optimizer without release ({_without_release(name)})."
         )
     if getattr(args, "fp16", False):
         raise ValueError(
             f"optim={name!r} with gradient release cannot train with fp16=True: the GradScaler would need every "
             "gradient before the update (to unscale it and skip steps with inf/NaN), and release applies each one in "
-            "backward. Use bf16=True (Ampere or newer), or the optimizer without release."
+            f"backward. Use bf16=True (Ampere or newer), or the optimizer without release ({_without_release(name)})."
         )
     if getattr(args, "deepspeed", None):
         raise ValueError(
             f"optim={name!r} with gradient release cannot run under DeepSpeed, which owns the gradients; use FSDP2 "
-            "(fsdp_version 2) or one GPU, or the optimizer without release."
+            f"(fsdp_version 2) or one GPU, or the optimizer without release ({_without_release(name)})."
         )
     fsdp_config = getattr(args, "fsdp_config", None)
     if getattr(args, "fsdp", None) and isinstance(fsdp_config, dict):
@@ -234,7 +246,8 @@ def check_gradient_release_args(args) -> None:
             raise ValueError(
                 f"optim={name!r} with gradient release supports FSDP2 only, and fsdp_config sets version {version}: "
                 "FSDP1 reduce-scatters flat parameters in its own post-backward hook, outside the per-parameter hooks "
-                'that release uses. Set fsdp_config {"version": 2}, or use the optimizer without release.'
+                'that release uses. Set fsdp_config {"version": 2}, or use the optimizer without release '
+                f"({_without_release(name)})."
             )
 
 
@@ -462,12 +475,79 @@ def register_optimizer_handler(trainer_optimizer_module=None, trainer_module=Non
     Trainer.get_optimizer_cls_and_kwargs = staticmethod(get_optimizer_cls_and_kwargs_)
 
 
+def explicit_weight_decay(args, optimizer_cls: type, optimizer_kwargs: dict[str, Any]) -> float | None:
+    """The weight decay the Trainer's decay param group must get for ``optimizer_cls_and_kwargs``, or None.
+
+    The Trainer builds two param groups, ``{"weight_decay": args.weight_decay}`` for weights and ``0.0`` for biases
+    and norms, and passes them with the user's keyword arguments; a param group's value wins over a keyword, so a
+    ``weight_decay`` given in ``optimizer_cls_and_kwargs`` would be replaced by ``TrainingArguments.weight_decay``
+    (0.0 by default) without a word. For an ApexW class the keyword wins instead (biases and norms keep 0.0, as for
+    every optimizer in the Trainer); ``lr``, ``betas`` and ``eps`` need nothing, the Trainer sets no group value for
+    them.
+
+    Returns:
+        The keyword's weight decay, or None when there is nothing to change (not ApexW, no ``weight_decay`` keyword,
+        or the same value in both places).
+
+    Raises:
+        ValueError: ``TrainingArguments.weight_decay`` is non-zero (so set on purpose) and differs from the keyword.
+    """
+    from ..optim import ApexW
+
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, ApexW)):
+        return None
+    if "weight_decay" not in optimizer_kwargs:
+        return None
+    wd, from_args = optimizer_kwargs["weight_decay"], getattr(args, "weight_decay", 0.0)
+    if wd == from_args:
+        return None
+    if from_args:
+        raise ValueError(
+            f"weight_decay is set twice, to different values: optimizer_cls_and_kwargs=({optimizer_cls.__name__}, "
+            f"{{'weight_decay': {wd!r}, ...}}) and TrainingArguments(weight_decay={from_args!r}). Give it in one "
+            "place (the Trainer's decay param group takes TrainingArguments.weight_decay; apexw_hf makes the "
+            "optimizer keyword win when TrainingArguments.weight_decay is left at 0.0)"
+        )
+    return wd
+
+
+def patch_create_optimizer(trainer_module=None) -> None:
+    """Wrap ``Trainer.create_optimizer`` so that an ApexW ``optimizer_cls_and_kwargs`` keeps its ``weight_decay``."""
+    if trainer_module is None:
+        import transformers.trainer as trainer_module
+    Trainer = trainer_module.Trainer
+    original = Trainer.__dict__.get("create_optimizer")
+    if original is None or _already_wrapped(original):
+        return
+
+    def create_optimizer(self, *a, **kw):
+        pair = getattr(self, "optimizer_cls_and_kwargs", None)
+        if getattr(self, "optimizer", None) is not None or not pair:
+            return original(self, *a, **kw)
+        wd = explicit_weight_decay(self.args, pair[0], pair[1])
+        if wd is None:
+            return original(self, *a, **kw)
+        # the Trainer reads args.weight_decay for its decay group while it builds the optimizer, and nowhere else
+        saved = self.args.weight_decay
+        self.args.weight_decay = wd
+        try:
+            return original(self, *a, **kw)
+        finally:
+            self.args.weight_decay = saved
+
+    create_optimizer._apexw_wrapped = True
+    create_optimizer.__wrapped__ = original
+    create_optimizer.__doc__ = original.__doc__
+    Trainer.create_optimizer = create_optimizer
+
+
 def register() -> None:
     """Register the ApexW optim names with transformers now (imports transformers; idempotent)."""
     import transformers.training_args as training_args
 
     register_optimizer_names(training_args)
     register_optimizer_handler()
+    patch_create_optimizer()
 
 
 def is_registered() -> bool:

@@ -1,23 +1,37 @@
-"""``apexw-compare``: the optimizer comparison grid (optimizers x learning rates x seeds), one process per run.
+"""apexw-compare: the optimizer comparison grid (optimizers x learning rates x seeds), one process per run.
 
-With no arguments it runs the embedded offline default (``apexw_hf/configs/offline_default.yaml``): a small Llama,
-the shipped instruction set, on the CPU, in a few minutes. Give a config path (or a shipped config's name) for
-anything else, e.g. ``apexw-compare configs/llama32_3b_t4.yaml``, or the full fine-tune comparison
-``apexw-compare offline_full`` (CPU) / ``apexw-compare configs/llama32_1b_full_h200.yaml`` (GPU). Optimizers are
-``optim`` strings, optionally with the dtype the parameters are kept in: ``adamw_torch_fused@fp32`` (fp32 master
-weights, bf16 autocast) vs ``apexw_8bit@bf16`` (the model itself in bf16).
+With no arguments it runs the embedded offline default (apexw_hf/configs/offline_default.yaml): a small Llama, the
+shipped instruction set, on the CPU, in a few minutes. Give a config path (or a shipped config's name) for anything
+else, e.g. "apexw-compare configs/llama32_3b_t4.yaml", or the full fine-tune comparison "apexw-compare offline_full"
+(CPU) / "apexw-compare configs/llama32_1b_full_h200.yaml" (GPU). Optimizers are Trainer optim names, optionally with
+the dtype the parameters are kept in: adamw_torch_fused@fp32 (fp32 master weights, bf16 autocast) vs apexw_8bit@bf16
+(the model itself in bf16).
 
-Each run is a fresh ``python -m apexw_hf.recipe.finetune`` process, so peak-memory numbers belong to that run alone.
-The runner shows progress, keeps each run's JSON and log under ``<output_dir>/runs/``, and writes:
+Every optimizer name, option and config value is checked before anything is built, run or written: wrong input
+gives one line on stderr and exit code 2.
 
-* ``results.csv``: one row per run;
-* ``summary.md``: the table shaped like the published one (peak memory, optimizer-state MiB, steps/s, final train
-  loss per learning rate) plus held-out validation loss, as mean +- std over seeds, and Welch's t-test of each
-  optimizer against the baseline (``compare.baseline``);
-* ``loss_curves.png``: training loss against step, mean over seeds, one panel per learning rate (and one with each
-  optimizer at its best learning rate when learning rates were swept).
+Each run is a fresh "python -m apexw_hf.recipe.finetune" process, so peak-memory numbers belong to that run alone.
+The runner shows progress, keeps each run's result.json and log.txt under <output_dir>/runs/<run name>/, and writes
+into <output_dir>:
 
-``--report-only`` rebuilds those three files from the run JSONs already in ``<output_dir>/runs``.
+  results.csv      one row per run
+  summary.md       the table shaped like the published one (peak memory, optimizer-state MiB, steps/s, final train
+                   loss per learning rate) plus held-out validation loss, as mean +- std over seeds, and Welch's
+                   t-test of each optimizer against the baseline (compare.baseline)
+  loss_curves.png  training loss against step, mean over seeds, one panel per learning rate (and one with each
+                   optimizer at its best learning rate when learning rates were swept)
+  config.json      the grid's config, overrides applied (what every run reads)
+
+An output folder that already holds a grid is never deleted or mixed into silently. Give another --output-dir, or:
+
+  --resume       finish the grid in that folder: only the cells without a complete result (a result.json with
+                 status ok) run, and the report covers the whole grid. The config must equal the stored
+                 config.json (only --jobs, --max-minutes and compare.fail_fast / compare.warmup_run may differ);
+                 with no config argument the stored one is used.
+  --overwrite    delete that grid's runs and reports, then run a new grid there.
+
+Otherwise apexw-compare stops with exit code 2 and changes nothing. --report-only rebuilds the three reports from
+the run results already in <output_dir>/runs.
 """
 
 from __future__ import annotations
@@ -36,10 +50,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .config import RecipeConfig, load_config
+from .config import DEFAULT_CONFIG, KNOWN_OPTIMIZERS, RecipeConfig, load_config, split_optimizer_spec
 from .report import write_reports
 
-__all__ = ["main", "plan_grid", "run_grid"]
+__all__ = ["main", "plan_grid", "run_grid", "validate_grid", "earlier_grid", "config_differences"]
+
+# The files a grid writes into its output folder (besides runs/ and warmup/); base/ is a cache keyed by the model
+# config, shared by grids, and is kept by --overwrite.
+_GRID_FILES = ("config.json", "grid_meta.json", "results.csv", "summary.md", "loss_curves.png")
+# Config keys a resumed grid may change: how many runs go at a time and when to stop launching, not what a cell runs.
+_RESUME_MAY_CHANGE = {
+    "compare.jobs",
+    "compare.max_minutes",
+    "compare.output_dir",
+    "compare.fail_fast",
+    "compare.warmup_run",
+}
 
 
 def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
@@ -74,6 +100,118 @@ def plan_grid(cfg: RecipeConfig) -> list[dict[str, Any]]:
         return [cell for runs in per_seed for cell in runs]
     queues = [[cell for runs in per_seed for cell in runs if cell["device"] == d] for d in devices]
     return [q[k] for k in range(max(map(len, queues))) for q in queues if k < len(q)]
+
+
+def _trainer_optim_names() -> list[str]:
+    """Every ``optim`` value the Trainer accepts in this environment (ApexW's registered), importing transformers."""
+    import transformers.training_args as training_args
+
+    from ..integrations.transformers import register_optimizer_names
+
+    register_optimizer_names(training_args)
+    return list(training_args.OptimizerNames._value2member_map_)
+
+
+def validate_grid(cfg: RecipeConfig) -> None:
+    """Raise ``ValueError`` for a grid that would fail in its runs: run before anything is built, run or deleted.
+
+    ``load_config`` has checked every key and value, and ApexW names; this adds what needs transformers: every
+    other optimizer name must be one the Trainer accepts, and every ApexW cell's optim_args must parse and fit the
+    trainer settings (gradient release with accumulation, say).
+    """
+    from ..integrations.transformers import APEXW_OPTIMIZERS, get_optimizer_cls_and_kwargs
+
+    known = set(KNOWN_OPTIMIZERS) | set(APEXW_OPTIMIZERS)
+    specs = [("compare.optimizers (--optimizers)", s) for s in cfg.compare.optimizers]
+    specs.append(("compare.baseline", cfg.compare.baseline))
+    for where, spec in specs:
+        name = split_optimizer_spec(spec)[0]
+        if name in known:
+            continue
+        allowed = _trainer_optim_names()
+        if name in allowed:
+            continue
+        import difflib
+
+        close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"{where}: {name!r} is not an optim name the Trainer accepts.{hint} Allowed: {', '.join(allowed)} "
+            "(each optionally with @fp32 or @bf16)"
+        )
+    t = cfg.train
+    for spec in cfg.compare.optimizers:
+        name = split_optimizer_spec(spec)[0]
+        if name not in APEXW_OPTIMIZERS:
+            continue
+        source = f"compare.optim_args[{spec!r}]" if spec in cfg.compare.optim_args else "train.optim_args"
+        args = argparse.Namespace(
+            optim=name,
+            optim_args=cfg.compare.optim_args.get(spec, t.optim_args) or None,
+            learning_rate=t.learning_rate,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_epsilon=1e-8,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            fp16=t.precision == "fp16",
+            deepspeed=None,
+            fsdp=None,
+            fsdp_config=None,
+        )
+        try:
+            get_optimizer_cls_and_kwargs(args)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{source} ({spec} runs): {exc}") from None
+    if cfg.compare.max_minutes < 0:
+        raise ValueError(f"compare.max_minutes={cfg.compare.max_minutes} must be >= 0 (0: no limit)")
+
+
+def earlier_grid(out: Path) -> list[str]:
+    """What of an earlier grid ``out`` holds (empty when nothing): run folders and report files."""
+    found = []
+    runs = out / "runs"
+    if runs.is_dir():
+        cells = [p for p in runs.iterdir() if p.is_dir()]
+        complete = sum(_completed(p / "result.json") is not None for p in cells)
+        if cells:
+            found.append(f"{len(cells)} run folders ({complete} with a result)")
+    found += [name for name in _GRID_FILES if (out / name).exists()]
+    return found
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k in ("model", "lora", "data", "train", "compare") and not prefix:
+            out.update(_flat(v, f"{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def config_differences(stored: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``section.key: stored -> new`` for every value a resumed grid may not change (see ``_RESUME_MAY_CHANGE``)."""
+    a, b = _flat(stored), _flat(new)
+    keys = sorted((set(a) | set(b)) - _RESUME_MAY_CHANGE)
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def _completed(path: Path) -> dict[str, Any] | None:
+    """The result stored at ``path`` when that run finished training (status ok), else None."""
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return res if isinstance(res, dict) and res.get("status") == "ok" else None
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write through a temporary file and a rename, so a result file on disk is always complete."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1, default=str))
+    tmp.replace(path)
 
 
 def _child_env(cfg: RecipeConfig) -> dict[str, str]:
@@ -127,13 +265,19 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
-def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list[dict[str, Any]]:
-    """Prepare the shared base once, then run every grid cell in its own process; return the result dicts."""
+def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int, resume: bool = False) -> list[dict[str, Any]]:
+    """Prepare the shared base once, then run every grid cell in its own process; return the result dicts.
+
+    Without ``resume``, ``out/runs`` must be empty or absent (an earlier grid is never deleted or mixed in: the
+    caller moves it away or clears it). With ``resume``, a cell whose ``result.json`` holds a finished run (status
+    ok) is kept and not run again; the caller has checked that ``config_path`` is that grid's config.
+    """
+    _STOP.clear()  # a grid stopped earlier in this process must not stop this one
     env = _child_env(cfg)
     runs_dir = out / "runs"
-    if runs_dir.exists():  # results of an earlier grid in this directory must not mix into this one's report
-        shutil.rmtree(runs_dir)
-    runs_dir.mkdir(parents=True)
+    if not resume and runs_dir.is_dir() and any(runs_dir.iterdir()):
+        raise FileExistsError(f"{runs_dir} holds the runs of an earlier grid; resume it, or clear it first")
+    runs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"[apexw-compare] preparing the shared base model/tokenizer in {out}/base ...", flush=True)
     rc = _run_child(
@@ -171,8 +315,21 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
             flush=True,
         )
     grid = plan_grid(cfg)
-    n = len(grid)
-    results: list[dict[str, Any] | None] = [None] * n
+    results: list[dict[str, Any] | None] = [None] * len(grid)
+    todo = []
+    for i, cell in enumerate(grid):
+        kept = _completed(runs_dir / cell["name"] / "result.json") if resume else None
+        if kept is None:
+            todo.append(i)
+        else:
+            results[i] = kept
+    if resume:
+        print(
+            f"[apexw-compare] resuming: {len(grid) - len(todo)} of {len(grid)} runs finished earlier and are kept, "
+            f"{len(todo)} to run",
+            flush=True,
+        )
+    n = len(todo)
     done = 0
     durations: list[float] = []
     budget = cfg.compare.max_minutes * 60
@@ -183,6 +340,7 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
         if _STOP.is_set():
             return
         cell = grid[i]
+        k = todo.index(i) + 1
         if cfg.compare.fail_fast and failed_first:
             results[i] = {
                 "status": "not run",
@@ -200,7 +358,7 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
                 "learning_rate": cell["lr"],
                 "seed": cell["seed"],
             }
-            print(f"[apexw-compare] [{i + 1}/{n}] {cell['name']}: not run (time budget used)", flush=True)
+            print(f"[apexw-compare] [{k}/{n}] {cell['name']}: not run (time budget used)", flush=True)
             return
         run_dir = runs_dir / cell["name"]
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -210,6 +368,8 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
             run_env = {**env, "CUDA_VISIBLE_DEVICES": str(dev)}
             if "APEXW_GPU_LOCK" in env:
                 run_env["APEXW_GPU_LOCK"] = f"{env['APEXW_GPU_LOCK']}.{dev}"
+        res_path = run_dir / "result.json"
+        res_path.unlink(missing_ok=True)  # a failed earlier attempt's, on resume: never read as this run's
         ts = time.time()
         rc = _run_child(
             [
@@ -230,7 +390,6 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
             run_env,
         )
         dt = time.time() - ts
-        res_path = run_dir / "result.json"
         if res_path.is_file():
             res = json.loads(res_path.read_text())
         else:
@@ -268,11 +427,11 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int) -> list
             f"{time.time() - t0:.0f} s, ~{eta:.0f} s left",
             flush=True,
         )
-        res_path.write_text(json.dumps(res, indent=1, default=str))
+        _write_json(res_path, res)
 
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
-        for fut in [pool.submit(one, i) for i in range(n)]:
+        for fut in [pool.submit(one, i) for i in todo]:
             fut.result()
     except BaseException:
         _STOP.set()
@@ -300,13 +459,25 @@ def _check_dependencies() -> None:
         )
 
 
+def _error(text: str) -> int:
+    print(f"apexw-compare: error: {text}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="apexw-compare", description=__doc__.split("\n\n")[0])
+    doc = __doc__.split("\n\n")
+    ap = argparse.ArgumentParser(
+        prog="apexw-compare",
+        description="\n\n".join(doc[:3]),
+        epilog="\n\n".join(doc[3:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument(
         "config",
         nargs="?",
-        default="offline_default",
-        help="YAML path or shipped config name (default: the embedded offline default)",
+        default=None,
+        help="YAML path or shipped config name (default: the embedded offline default; with --resume, the "
+        "resumed grid's stored config)",
     )
     ap.add_argument(
         "--set",
@@ -322,7 +493,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-dir", help="replaces compare.output_dir")
     ap.add_argument("--jobs", type=int, help="runs at a time (CPU only; GPU runs always go one at a time)")
     ap.add_argument("--max-minutes", type=float, help="launch no new run after this long (0: no limit)")
-    ap.add_argument("--report-only", action="store_true", help="only rebuild CSV/table/plot from existing runs")
+    what = ap.add_mutually_exclusive_group()
+    what.add_argument(
+        "--resume", action="store_true", help="finish the grid in the output folder: run only its missing cells"
+    )
+    what.add_argument(
+        "--overwrite", action="store_true", help="delete the grid in the output folder first, then run a new one"
+    )
+    what.add_argument("--report-only", action="store_true", help="only rebuild CSV/table/plot from existing runs")
     args = ap.parse_args(argv)
     for option, text, kind in (("--lrs", args.lrs, float), ("--seeds", args.seeds, int)):
         for item in (text or "").split(",") if text else []:
@@ -334,99 +512,133 @@ def main(argv: list[str] | None = None) -> int:
                     f"(give a comma-separated list, e.g. {option} {'1e-3,3e-3' if kind is float else '0,1,2'})"
                 )
     _check_dependencies()
-    # `timeout` or a scheduler sends SIGTERM: unwind through the finally below, which stops the running children
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ov = list(args.overrides)
     for key, val in (("optimizers", args.optimizers), ("learning_rates", args.lrs), ("seeds", args.seeds)):
         if val:
             ov.append(f"compare.{key}=[{val}]")
     if args.output_dir:
         ov.append(f"compare.output_dir={args.output_dir}")
-    if args.jobs:
+    if args.jobs is not None:
         ov.append(f"compare.jobs={args.jobs}")
     if args.max_minutes is not None:
         ov.append(f"compare.max_minutes={args.max_minutes}")
+    # Everything is checked here, before a folder is made, a file written or deleted, or a model built.
     try:
-        cfg = load_config(args.config, ov)
-    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed config, or a bad --set value
-        print(f"apexw-compare: error: {exc}", file=sys.stderr)
-        return 2
-    interrupted = None
-    out = Path(cfg.compare.output_dir).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+        cfg = load_config(args.config or DEFAULT_CONFIG, ov)
+        out = Path(cfg.compare.output_dir).resolve()
+        stored = out / "config.json"
+        if args.resume and args.config is None and stored.is_file():
+            cfg = load_config(stored, ov)  # the grid's own config, with this call's overrides
+        validate_grid(cfg)
+    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed config, or a bad value
+        return _error(str(exc))
     if args.report_only:
         results = _load_results(out)
         if not results:
             print(f"[apexw-compare] no run results under {out / 'runs'}", file=sys.stderr)
             return 1
-    else:
-        resolved = out / "config.json"  # the exact config every child reads, overrides applied
-        resolved.write_text(json.dumps(cfg.to_dict(), indent=1))
-        jobs = cfg.compare.jobs
-        ndev = max(1, len(cfg.compare.devices))
-        if cfg.compare.devices and _gpu_present():
-            import torch
-
-            count = torch.cuda.device_count()
-            missing = [d for d in cfg.compare.devices if d >= count]
-            if missing:
-                print(
-                    f"[apexw-compare] compare.devices={cfg.compare.devices} names GPU(s) {missing}, but this machine "
-                    f"has {count} (indices 0..{count - 1}); set compare.devices to those or leave it empty",
-                    file=sys.stderr,
-                )
-                return 2
-        if jobs > 1 and _gpu_present():
-            if cfg.compare.runs_per_device == 1:
-                os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
-                print(
-                    f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
-                    f"training and evaluation hold a lock, one run at a time per GPU ({ndev} GPU(s))",
-                    flush=True,
-                )
-            else:
-                os.environ.pop("APEXW_GPU_LOCK", None)
-                print(
-                    f"[apexw-compare] GPU present: up to {jobs} runs at a time over {ndev} GPU(s), "
-                    f"compare.runs_per_device={cfg.compare.runs_per_device} sharing each GPU: steps/s are measured "
-                    "under sharing (peak memory is per process)",
-                    flush=True,
-                )
-        n = len(plan_grid(cfg))
-        n_lrs = len({lr for o in cfg.compare.optimizers for lr in cfg.compare.learning_rates_of(o)})
-        print(
-            f"[apexw-compare] config {cfg.name} ({cfg.train.finetuning} fine-tuning): "
-            f"{len(cfg.compare.optimizers)} optimizers x {n_lrs} learning rates"
-            f"{' (per-optimizer sweeps)' if cfg.compare.lr_sweep else ''} x {len(cfg.compare.seeds)} seeds = {n} "
-            f"runs, {jobs} at a time; output {out}",
-            flush=True,
-        )
-        load0 = os.getloadavg()
-        interrupted = None
+        return _report(results, cfg, out, time.time(), None)
+    earlier = earlier_grid(out)
+    if args.resume:
+        if not stored.is_file():
+            return _error(
+                f"--resume: {out} holds no grid to resume (no config.json); run without --resume to start one"
+            )
         try:
-            results = run_grid(cfg, resolved, out, jobs)
-        except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: report the runs that finished
-            interrupted = exc
-            _stop_children()
-            results = _load_results(out)
-            print(f"[apexw-compare] INTERRUPTED: reporting the {len(results)} runs that finished", flush=True)
-        finally:
-            _stop_children()
-        meta = {
-            "wall_seconds": round(time.time() - t0, 1),
-            "runs": len(results),
-            "jobs": jobs,
-            "devices": cfg.compare.devices,
-            "runs_per_device": cfg.compare.runs_per_device,
-            "cpu_count": os.cpu_count(),
-            "loadavg_1min_start": round(load0[0], 2),
-            "loadavg_1min_end": round(os.getloadavg()[0], 2),
-            "interrupted": interrupted is not None,
-        }
-        (out / "grid_meta.json").write_text(json.dumps(meta, indent=1))
-        if interrupted is not None and not results:
-            raise interrupted
+            diffs = config_differences(json.loads(stored.read_text()), cfg.to_dict())
+        except ValueError as exc:
+            return _error(f"--resume: {stored} is not readable JSON ({exc}); start a new grid in another --output-dir")
+        if diffs:
+            return _error(
+                f"--resume: this config differs from the grid's in {stored}: {'; '.join(diffs)}. Resume with the "
+                "same config and options (or none: the stored config is used), or start a new grid in another "
+                "--output-dir"
+            )
+    elif earlier and not args.overwrite:
+        return _error(
+            f"{out} holds an earlier grid ({', '.join(earlier)}), left unchanged. Give another --output-dir, "
+            "--resume to finish that grid (only its missing runs), or --overwrite to delete it and start again"
+        )
+    jobs = cfg.compare.jobs
+    ndev = max(1, len(cfg.compare.devices))
+    if cfg.compare.devices and _gpu_present():
+        import torch
+
+        count = torch.cuda.device_count()
+        missing = [d for d in cfg.compare.devices if d >= count]
+        if missing:
+            return _error(
+                f"compare.devices={cfg.compare.devices} names GPU(s) {missing}, but this machine has {count} "
+                f"(indices 0..{count - 1}); set compare.devices to those or leave it empty"
+            )
+    if args.overwrite and earlier:
+        for name in ("runs", "warmup"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in _GRID_FILES:
+            (out / name).unlink(missing_ok=True)
+        print(f"[apexw-compare] --overwrite: deleted the earlier grid in {out} ({', '.join(earlier)})", flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if not args.resume:
+        _write_json(stored, cfg.to_dict())  # the exact config every child reads, overrides applied
+    if jobs > 1 and _gpu_present():
+        if cfg.compare.runs_per_device == 1:
+            os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
+            print(
+                f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
+                f"training and evaluation hold a lock, one run at a time per GPU ({ndev} GPU(s))",
+                flush=True,
+            )
+        else:
+            os.environ.pop("APEXW_GPU_LOCK", None)
+            print(
+                f"[apexw-compare] GPU present: up to {jobs} runs at a time over {ndev} GPU(s), "
+                f"compare.runs_per_device={cfg.compare.runs_per_device} sharing each GPU: steps/s are measured "
+                "under sharing (peak memory is per process)",
+                flush=True,
+            )
+    n = len(plan_grid(cfg))
+    n_lrs = len({lr for o in cfg.compare.optimizers for lr in cfg.compare.learning_rates_of(o)})
+    print(
+        f"[apexw-compare] config {cfg.name} ({cfg.train.finetuning} fine-tuning): "
+        f"{len(cfg.compare.optimizers)} optimizers x {n_lrs} learning rates"
+        f"{' (per-optimizer sweeps)' if cfg.compare.lr_sweep else ''} x {len(cfg.compare.seeds)} seeds = {n} "
+        f"runs, {jobs} at a time; output {out}",
+        flush=True,
+    )
+    load0 = os.getloadavg()
+    # `timeout` or a scheduler sends SIGTERM: unwind through the finally below, which stops the running children
+    on_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    interrupted = None
+    try:
+        results = run_grid(cfg, stored, out, jobs, resume=args.resume)
+    except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: report the runs that finished
+        interrupted = exc
+        _stop_children()
+        results = _load_results(out)
+        print(f"[apexw-compare] INTERRUPTED: reporting the {len(results)} runs that finished", flush=True)
+    finally:
+        _stop_children()
+        signal.signal(signal.SIGTERM, on_sigterm)
+    meta = {
+        "wall_seconds": round(time.time() - t0, 1),
+        "runs": len(results),
+        "jobs": jobs,
+        "devices": cfg.compare.devices,
+        "runs_per_device": cfg.compare.runs_per_device,
+        "cpu_count": os.cpu_count(),
+        "loadavg_1min_start": round(load0[0], 2),
+        "loadavg_1min_end": round(os.getloadavg()[0], 2),
+        "interrupted": interrupted is not None,
+        "resumed": args.resume,
+    }
+    (out / "grid_meta.json").write_text(json.dumps(meta, indent=1))
+    if interrupted is not None and not results:
+        raise interrupted
+    return _report(results, cfg, out, t0, interrupted)
+
+
+def _report(results: list[dict[str, Any]], cfg: RecipeConfig, out: Path, t0: float, interrupted) -> int:
     table = write_reports(results, cfg, out)
     print(table, flush=True)
     print(
@@ -434,7 +646,11 @@ def main(argv: list[str] | None = None) -> int:
         f"({time.time() - t0:.0f} s)",
         flush=True,
     )
-    if not args.report_only and interrupted is not None:
+    if interrupted is not None:
+        print(
+            "[apexw-compare] the grid is not finished: run the same command with --resume to run the missing cells",
+            flush=True,
+        )
         return 130
     return 0 if any(r.get("status") == "ok" for r in results) else 1
 

@@ -319,6 +319,27 @@ def _headline(results: list[dict[str, Any]], cfg: RecipeConfig, opts: list[str])
     return lines
 
 
+def _timing_note(meta: dict[str, Any] | None, gpu: bool) -> list[str]:
+    """How the headline's times were taken, next to them: on a CPU, runs at a time and load change them, and can
+    change the optimizers' order (a step that needs every core waits for the other run's threads)."""
+    if not meta or gpu:
+        return []
+    jobs, cpus = meta.get("jobs", 1), meta.get("cpu_count") or 1
+    load = max(meta.get("loadavg_1min_start", 0.0), meta.get("loadavg_1min_end", 0.0))
+    how = (
+        f"Timed on the CPU with {jobs} run{'s' if jobs > 1 else ''} at a time on {cpus} cores, 1-min load average "
+        f"{meta.get('loadavg_1min_start')} at the start and {meta.get('loadavg_1min_end')} at the end."
+    )
+    if jobs > 1 or load > 0.75 * cpus:
+        how += (
+            " **The runs shared the cores** (with each other or with other work): optimizer step ms and steps/s "
+            "include waiting for a core and can order the optimizers differently than each alone. For step times "
+            "alone: `apexw-compare --jobs 1` on an idle machine, or `python benchmarks/bench_cpu_step.py` (the optimizer "
+            "step only, every optimizer interleaved in one process)."
+        )
+    return ["", how]
+
+
 def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, Any] | None = None) -> str:
     """The markdown summary: header, table shaped like the published one, significance statements."""
     ok = [r for r in results if r.get("status") == "ok"]
@@ -393,7 +414,10 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
             "training keeps per parameter before activations (gradients have the parameter's dtype).",
         )
-    lines += _headline(results, cfg, opts)
+    head_lines = _headline(results, cfg, opts)
+    if head_lines:
+        head_lines[-1:-1] = _timing_note(meta, gpu)
+    lines += head_lines
     lines += ["## Every run, per learning rate", ""]
     # runs stored before the reserved figure was recorded have no such key: the column appears when some run has it
     reserved = gpu and any(r.get("peak_gpu_mem_reserved_gib") is not None for r in ok)

@@ -162,3 +162,34 @@ def test_headline_says_whether_the_best_lr_is_bracketed():
     rows = {o: next(x for x in glance.splitlines() if f"(`{o}`)" in x) for o in val}
     assert "| 0.01 | yes |" in rows["adamw_torch"]
     assert "| 0.02 | no: highest tried |" in rows["apexw_4bit"]
+
+
+@pytest.mark.parametrize(
+    "jobs, load, shared",
+    [(2, (1.0, 1.5), True), (1, (3.1, 5.2), True), (1, (0.2, 1.1), False)],
+    ids=["two_at_a_time", "loaded_machine", "alone"],
+)
+def test_cpu_headline_says_how_it_was_timed(jobs, load, shared):
+    """On a CPU the step times next to the headline say how many runs shared the cores and under what load, and
+    warn when they were shared: there they can order the optimizers differently than each alone."""
+    cfg = load_config("offline_default", ["compare.learning_rates=[0.01]", "compare.seeds=[0, 1]"])
+    res = []
+    for o in ("adamw_torch", "apexw_8bit"):
+        for s in (0, 1):
+            r = _run(o, 0.01, s, 2.0, 2.1, 1.0)
+            r.update(peak_gpu_mem_allocated_gib=None, peak_rss_gib=0.5, optimizer_step_ms=1.0)
+            res.append(r)
+    meta = {"runs": 4, "wall_seconds": 10.0, "jobs": jobs, "cpu_count": 2}
+    meta.update(loadavg_1min_start=load[0], loadavg_1min_end=load[1])
+    glance = summarize(res, cfg, meta).split("## Every run")[0]
+    assert (
+        f"Timed on the CPU with {jobs} run" in glance
+        and f"at a time on 2 cores, 1-min load average {load[0]}" in glance
+    )
+    assert ("**The runs shared the cores**" in glance) == shared
+    assert ("benchmarks/bench_cpu_step.py" in glance) == shared
+    # a GPU grid's times are not shared (its runs hold a lock per GPU): no note
+    gpu = summarize(
+        [_run(o, 0.01, s, 2.0, 2.1, 1.0) for o in ("adamw_torch", "apexw_8bit") for s in (0, 1)], cfg, meta
+    )
+    assert "Timed on the CPU" not in gpu
