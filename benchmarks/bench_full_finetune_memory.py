@@ -305,6 +305,13 @@ def run_one(cell: str, shape: str, args) -> dict:
         offload = getattr(inner._release, "offload", None)
         if offload is not None:  # tied_grad_offload: gradient parts offloaded over the whole run
             release["tied_grad_parts_offloaded"] = offload.offloaded
+    if getattr(inner, "state_offload", False):  # state_offload: the copies and prefetch hits over the whole run
+        off = inner._offload
+        n = max(len(times), 1)
+        release.update(offload_gb_in_per_step=off.bytes_in / 1e9 / n, offload_gb_out_per_step=off.bytes_out / 1e9 / n,
+                       offload_hits=off.hits, offload_misses=off.misses, offload_launches_per_step=len(off._order),
+                       offload_staging_gib=inner.staging_bytes() / GIB,
+                       state_host_gib=apexw_hf.optimizer_state_placement(inner)["host"] / GIB)
     calls = {}
     if len(call_marks) > args.warmup:
         first, last = call_marks[args.warmup - 1], call_marks[-1]

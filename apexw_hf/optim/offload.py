@@ -183,7 +183,8 @@ class StateOffload:
             launched.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(launched)
-                torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
                 out = slot.copied_out = torch.cuda.Event()
                 out.record(self._d2h)
             for p in params:
@@ -251,7 +252,8 @@ class StateOffload:
                 # the parameters' last copies out (a parameter may have been in another bucket then)
                 for ready in {id(e): e for e in map(self._host_ready.get, key) if e is not None}.values():
                     self._h2d.wait_event(ready)
-                torch._foreach_copy_(dst, src, non_blocking=True)
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
                 slot.copied_in = slot.copied_in or torch.cuda.Event()
                 slot.copied_in.record(self._h2d)
         self.bytes_in += sum(t.numel() * t.element_size() for t in src)

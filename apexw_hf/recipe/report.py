@@ -334,8 +334,8 @@ def _timing_note(meta: dict[str, Any] | None, gpu: bool) -> list[str]:
         how += (
             " **The runs shared the cores** (with each other or with other work): optimizer step ms and steps/s "
             "include waiting for a core and can order the optimizers differently than each alone. For step times "
-            "alone: `apexw-compare --jobs 1` on an idle machine, or `python benchmarks/bench_cpu_step.py` (the optimizer "
-            "step only, every optimizer interleaved in one process)."
+            "alone: `apexw-compare --jobs 1` on an idle machine, or `python benchmarks/bench_cpu_step.py` (the "
+            "optimizer step only, every optimizer interleaved in one process)."
         )
     return ["", how]
 

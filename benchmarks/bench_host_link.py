@@ -1,0 +1,88 @@
+"""The host link's bandwidth: pinned host <-> GPU copies, each direction alone and both at once.
+
+What state offload can move per second at best (its copies are pinned, non-blocking, on two side streams). Median
+of ``--repeats`` copies of ``--gib`` GiB each, timed with CUDA events; both-at-once runs one copy each way on two
+streams and reports each direction's rate over the pair's wall time.
+
+    python3 benchmarks/bench_host_link.py --gib 1 --repeats 7 --out runs/host_link.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs (after one warm-up), timed with events on the device."""
+    out = []
+    for i in range(repeats + 1):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            out.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(out)
+
+
+def measure(gib: float, repeats: int) -> dict:
+    n = int(gib * 2**30)
+    host_a = torch.empty(n, dtype=torch.uint8, pin_memory=True).fill_(1)
+    host_b = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(2)
+    dev_b = torch.empty(n, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        cur = torch.cuda.current_stream()
+        s1.wait_stream(cur)
+        s2.wait_stream(cur)
+        with torch.cuda.stream(s1):
+            dev_b.copy_(host_a, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host_b.copy_(dev_a, non_blocking=True)
+        cur.wait_stream(s1)
+        cur.wait_stream(s2)
+
+    h2d = _timed(lambda: dev_b.copy_(host_a, non_blocking=True), repeats)
+    d2h = _timed(lambda: host_b.copy_(dev_a, non_blocking=True), repeats)
+    pair = _timed(both, repeats)
+    assert bool((dev_b == 1).all()) and bool((host_b == 2).all())
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "bytes": n,
+        "h2d_gb_s": n / h2d / 1e9,
+        "d2h_gb_s": n / d2h / 1e9,
+        "both_each_gb_s": n / pair / 1e9,
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_host_link.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    row = measure(args.gib, args.repeats)
+    print(f"{row['gpu']}: host->device {row['h2d_gb_s']:.1f} GB/s, device->host {row['d2h_gb_s']:.1f} GB/s, "
+          f"both at once {row['both_each_gb_s']:.1f} GB/s each way")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
