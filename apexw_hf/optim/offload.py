@@ -227,7 +227,8 @@ class StateOffload:
                 t = s[k]
                 layout.append((id(p), k, t, size))
                 size = _align(size + t.numel() * t.element_size())
-        if slot.buffer is None or slot.buffer.numel() < size:
+        fresh = slot.buffer is None or slot.buffer.numel() < size
+        if fresh:
             grown = max([size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
             slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
@@ -246,7 +247,10 @@ class StateOffload:
             for d, s in zip(dst, src):
                 d.copy_(s)
         else:
+            compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._h2d):
+                if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
+                    self._h2d.wait_stream(compute)
                 if slot.copied_out is not None:
                     self._h2d.wait_event(slot.copied_out)
                 # the parameters' last copies out (a parameter may have been in another bucket then)
