@@ -49,7 +49,9 @@ __all__ = [
 # optim name -> (OptimizerNames member name, state_format). "fp32" state gets no name of its own: it is the
 # reference format for A/B tests, reachable as optim_args="state_format=fp32", and plain AdamW has names already.
 # The "_release" names turn on gradient release (each parameter updated inside backward, its gradient freed: see
-# apexw_hf.optim.release), the same as optim_args="gradient_release=true".
+# apexw_hf.optim.release), the same as optim_args="gradient_release=true". The "_offload" names turn on gradient
+# release and state offload (the state in host memory, streamed through the GPU: apexw_hf.optim.offload), the same as
+# optim_args="gradient_release=true,state_offload=true".
 APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "apexw_8bit": ("APEXW_8BIT", "8bit"),
     "apexw_compact": ("APEXW_COMPACT", "compact"),
@@ -57,8 +59,13 @@ APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "apexw_8bit_release": ("APEXW_8BIT_RELEASE", "8bit"),
     "apexw_compact_release": ("APEXW_COMPACT_RELEASE", "compact"),
     "apexw_4bit_release": ("APEXW_4BIT_RELEASE", "4bit"),
+    "apexw_8bit_offload": ("APEXW_8BIT_OFFLOAD", "8bit"),
+    "apexw_compact_offload": ("APEXW_COMPACT_OFFLOAD", "compact"),
+    "apexw_4bit_offload": ("APEXW_4BIT_OFFLOAD", "4bit"),
 }
 RELEASE_SUFFIX = "_release"
+OFFLOAD_SUFFIX = "_offload"
+_RELEASE_SUFFIXES = (RELEASE_SUFFIX, OFFLOAD_SUFFIX)  # the names that turn gradient release on
 
 _STATE_FORMATS = ("compact", "8bit", "4bit", "fp32")
 _ENGINES = ("auto", "triton", "torch")
@@ -186,8 +193,13 @@ def parse_optim_args(optim_args: str | dict | None, optim: str = "apexw_8bit") -
 def _optimizer_class(name: str):
     from ..optim import ApexW4bit, ApexW8bit, ApexWCompact
 
-    base = name.removesuffix(RELEASE_SUFFIX)
+    base = _base_name(name)
     return {"apexw_8bit": ApexW8bit, "apexw_compact": ApexWCompact, "apexw_4bit": ApexW4bit}[base]
+
+
+def _base_name(name: str) -> str:
+    """The optim name without its ``_release`` / ``_offload`` suffix."""
+    return name.removesuffix(RELEASE_SUFFIX).removesuffix(OFFLOAD_SUFFIX)
 
 
 def uses_gradient_release(args) -> bool:
@@ -200,19 +212,20 @@ def uses_gradient_release(args) -> bool:
         return False
     name = _name_of(args.optim)
     requested = parse_optim_args(args.optim_args, name).get("gradient_release")
-    if name.endswith(RELEASE_SUFFIX) and requested is False:
+    if name.endswith(_RELEASE_SUFFIXES) and requested is False:
         raise ValueError(
             f"optim={name!r} turns gradient release on, and optim_args sets gradient_release=false: use "
-            f"optim={name.removesuffix(RELEASE_SUFFIX)!r} for the optimizer without release, or drop gradient_release "
-            "from optim_args"
+            f"{_without_release(name)} for the optimizer without release, or drop gradient_release from optim_args"
         )
-    return name.endswith(RELEASE_SUFFIX) or bool(requested)
+    return name.endswith(_RELEASE_SUFFIXES) or bool(requested)
 
 
 def _without_release(name: str) -> str:
     """How to turn release off for ``optim=name``: the name without ``_release``, or the optim_args item to drop."""
     if name.endswith(RELEASE_SUFFIX):
         return f"optim={name.removesuffix(RELEASE_SUFFIX)!r}"
+    if name.endswith(OFFLOAD_SUFFIX):  # the state offload works without release too
+        return f"optim={_base_name(name)!r} with optim_args='state_offload=true'"
     return "drop gradient_release=true from optim_args"
 
 
@@ -297,6 +310,14 @@ def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]
         "state_format": APEXW_OPTIMIZERS[name][1],
     }
     kwargs.update(parse_optim_args(args.optim_args, name))
+    if name.endswith(OFFLOAD_SUFFIX):
+        if kwargs.get("state_offload") is False:
+            raise ValueError(
+                f"optim={name!r} turns state offload on, and optim_args sets state_offload=false: use "
+                f"optim={_base_name(name) + RELEASE_SUFFIX!r} for gradient release without offload, or drop "
+                "state_offload from optim_args"
+            )
+        kwargs["state_offload"] = True
     if uses_gradient_release(args):
         kwargs["gradient_release"] = True
     if kwargs.get("gradient_release"):

@@ -495,12 +495,13 @@ class ApexW(torch.optim.Optimizer):
                 "state_offload=True does not support FSDP2 (DTensor) parameters yet (the model was sharded after the "
                 "optimizer was built); turn state_offload off under FSDP2"
             )
-        key = tuple(map(id, params)) if bucket is None else bucket
+        key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
         offload = self._offload
         for p in params:
             offload.host_state(p, group)
         index, staged = offload.stage(group, params, key)
-        engines.triton_engine(self).step_group(group, params, grads, key, before_launch, states=staged)
+        bucket = key if bucket is None else bucket  # step()'s chunks: one launch plan each
+        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, states=staged)
         offload.done(index, params, staged)
 
     def _step_chunks(self, group: dict, params: list, grads: list) -> None:

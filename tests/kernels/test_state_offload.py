@@ -148,3 +148,38 @@ def test_errors_name_what_is_wrong(monkeypatch):
     monkeypatch.setattr(offload_mod, "host_bytes_available", lambda: 1000)
     with pytest.raises(ValueError, match=r"needs 0\.00 GiB \(\d+ bytes\) of host memory .* has 0\.00 GiB available"):
         ApexW(model.to(DEVICE).parameters(), engine="triton", state_format="8bit", state_offload=True)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_offload_names_through_the_trainer(tmp_path, accumulate):
+    """optim="apexw_4bit_offload" (release + offload) trains as "apexw_4bit_release", and "apexw_4bit" with
+    optim_args="state_offload=true" (no release, so gradient accumulation works) as "apexw_4bit"; the callback says
+    where the state is."""
+    from transformers import Trainer, TrainingArguments
+
+    from apexw_hf.integrations.callbacks import OptimizerStateCallback
+
+    from ..integrations.tiny import make_model, token_dataset, train_kwargs
+
+    args = "engine=triton,release_bucket_size=4000" if accumulate == 1 else "engine=triton"
+    if accumulate == 1:
+        cells = [("apexw_4bit_release", args), ("apexw_4bit_offload", args)]
+    else:
+        cells = [("apexw_4bit", args), ("apexw_4bit", args + ",state_offload=true")]
+    trainers = []
+    for i, (name, optim_args) in enumerate(cells):
+        kw = train_kwargs(tmp_path / str(i), optim=name, optim_args=optim_args, max_grad_norm=0.5, weight_decay=0.1,
+                          gradient_accumulation_steps=accumulate, use_cpu=DEVICE == "cpu")
+        trainer = Trainer(model=make_model(lora=False), args=TrainingArguments(**kw), train_dataset=token_dataset(),
+                          callbacks=[OptimizerStateCallback()])
+        trainer.train()
+        trainers.append(trainer)
+    a, b = (dict(t.model.named_parameters()) for t in trainers)
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    opt = trainers[1].optimizer.optimizer
+    assert opt.state_offload and opt.gradient_release == (accumulate == 1)
+    logs = [h for h in trainers[1].state.log_history if "loss" in h]
+    assert logs[-1]["state_offload"] == 1
+    assert logs[-1]["optimizer_state_host_mib"] * 2**20 == opt.state_bytes()
+    assert logs[-1]["optimizer_state_device_mib"] * 2**20 == opt.staging_bytes() > 0
+    assert [h["loss"] for h in logs] == [h["loss"] for h in trainers[0].state.log_history if "loss" in h]
