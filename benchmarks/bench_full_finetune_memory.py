@@ -339,6 +339,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         "params": nparams, "seq": args.seq, "batch": args.batch, "steps": args.steps,
         "peak_allocated_gib": torch.cuda.max_memory_allocated() / GIB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        "host_pinned_gib": _host_pinned_gib(),
         "s_per_step": statistics.median(steps) if steps else None,
         "step_s": [round(t, 5) for t in all_steps],
         **release,
@@ -354,6 +355,16 @@ def run_one(cell: str, shape: str, args) -> dict:
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
         "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
+
+
+def _host_pinned_gib() -> float | None:
+    """Pinned host memory the caching host allocator holds (GiB; it rounds a block up to a power of two), where this
+    torch reports it."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    value = stats().get("reserved_bytes.current", stats().get("allocated_bytes.current"))
+    return None if value is None else value / GIB
 
 
 # --time-calls: the optimizer's host-side functions, timed by wrappers (they run on autograd's thread inside backward
