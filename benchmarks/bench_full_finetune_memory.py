@@ -360,6 +360,8 @@ def run_one(cell: str, shape: str, args) -> dict:
 def _host_pinned_gib() -> float | None:
     """Pinned host memory the caching host allocator holds (GiB; it rounds a block up to a power of two), where this
     torch reports it."""
+    import torch
+
     stats = getattr(torch.cuda, "host_memory_stats", None)
     if stats is None:
         return None
