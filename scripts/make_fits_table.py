@@ -38,8 +38,17 @@ LABELS = {
     "apexw_4bit_release@bf16": "`apexw_4bit_release`",
     "apexw_8bit_release+liger@bf16": "`apexw_8bit_release` + Liger cross-entropy",
     "apexw_4bit_release+liger@bf16": "`apexw_4bit_release` + Liger cross-entropy",
+    "apexw_8bit_offload+liger@bf16": "`apexw_8bit_offload` (release, state in host memory) + Liger cross-entropy",
+    "apexw_4bit_offload+liger@bf16": "`apexw_4bit_offload` (release, state in host memory) + Liger cross-entropy",
 }
-README_CELLS = ("torch_fused@fp32", "bnb_8bit@bf16", "apexw_8bit_release+liger@bf16", "apexw_4bit_release+liger@bf16")
+README_CELLS = (
+    "torch_fused@fp32",
+    "bnb_8bit@bf16",
+    "apexw_8bit_release+liger@bf16",
+    "apexw_4bit_release+liger@bf16",
+    "apexw_8bit_offload+liger@bf16",
+    "apexw_4bit_offload+liger@bf16",
+)
 
 
 def load_runs() -> dict[tuple[str, str], dict]:
@@ -61,18 +70,23 @@ def _fits(row: dict) -> str:
     return "-" if ok == "-" else ", ".join(f"{s} GB" for s in ok.split(","))
 
 
+def _host(row: dict) -> str:
+    """The state's bytes in host memory (state offload), "-" for a run that kept its state on the GPU."""
+    return "-" if row.get("state_host_gib") is None else f"{row['state_host_gib']:.2f}"
+
+
 def full_table(runs: dict) -> str:
     lines = [
         "| shape | optimizer | peak allocated GiB | peak reserved GiB | s/step | optimizer state MiB | "
-        "gradients alive at the step | fits | run |",
-        "|---|---|---:|---:|---:|---:|---:|---|---|",
+        "of it in host memory GiB | gradients alive at the step | fits | run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     order = list(LABELS)
     for (shape, cell), r in sorted(runs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         lines.append(
             f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | "
             f"{r['peak_reserved_gib']:.2f} | {r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | "
-            f"{r['grads_alive_before_step']} | {_fits(r)} | "
+            f"{_host(r)} | {r['grads_alive_before_step']} | {_fits(r)} | "
             f"[{r['commit']}](results/memory.jsonl) |"
         )
     return "\n".join(lines)
@@ -82,6 +96,8 @@ def readme_table(runs: dict) -> str:
     shapes = [s for s in SHAPE_NAMES if any((s, c) in runs for c in README_CELLS)]
     lines = ["| optimizer | " + " | ".join(SHAPE_NAMES[s] for s in shapes) + " |", "|---|" + "---:|" * len(shapes)]
     for cell in README_CELLS:
+        if not any((s, cell) in runs for s in shapes):
+            continue
         cells = []
         for s in shapes:
             r = runs.get((s, cell))
