@@ -15,8 +15,9 @@ Buckets come in the same order every step (gradient release cuts the same bucket
 ``step()`` cuts the same chunks), so the offload learns the order of the last step and, after each launch, copies in
 the state of the next ``slots - 1`` buckets of that order. A bucket that is not the one expected (the first step, a
 parameter without a gradient, a changed grouping) is copied in when it is launched: the same bits, later. The device
-holds ``slots`` buffers of the largest bucket's state; the host copy of a bucket's state is never older than its
-last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above call it).
+holds the state of at most ``slots`` buckets, each in a buffer of its size; the host copy of a bucket's state is never
+older than its last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above call
+it).
 
 Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the bucket being launched, and with
 three slots the copy in of bucket ``k + 1`` and the copy out of bucket ``k - 1`` use different buffers and run at
@@ -227,13 +228,19 @@ class StateOffload:
                 t = s[k]
                 layout.append((id(p), k, t, size))
                 size = _align(size + t.numel() * t.element_size())
-        fresh = slot.buffer is None or slot.buffer.numel() < size
-        if fresh:
-            grown = max([size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
-            slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
-            if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
-                slot.buffer.record_stream(self._h2d)
-                slot.buffer.record_stream(self._d2h)
+        # A buffer of exactly this bucket's size (the slot's last one is freed: a large tensor's bucket, such as a
+        # vocabulary embedding's, does not make every buffer its size). On CUDA it comes from the copy-in stream's
+        # pool, so the copy in needs no wait for the compute stream; its frees wait for the launch and the copy out
+        # queued by then.
+        slot.buffer = None
+        if self._h2d is None:
+            slot.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        else:
+            compute = torch.cuda.current_stream(self.device)
+            with torch.cuda.stream(self._h2d):
+                slot.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            slot.buffer.record_stream(compute)
+            slot.buffer.record_stream(self._d2h)
         views: dict[int, dict[str, torch.Tensor]] = {}
         dst, src = [], []
         for pid, k, t, off in layout:
@@ -247,10 +254,7 @@ class StateOffload:
             for d, s in zip(dst, src):
                 d.copy_(s)
         else:
-            compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._h2d):
-                if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
-                    self._h2d.wait_stream(compute)
                 if slot.copied_out is not None:
                     self._h2d.wait_event(slot.copied_out)
                 # the parameters' last copies out (a parameter may have been in another bucket then)

@@ -73,10 +73,11 @@ def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_ch
         train(model, opt, 3)
         assert off.misses == first  # later steps: every launch found its state on the device
         assert off.hits == 3 * len(off._order)
-        # the device holds `slots` buffers, each the size of the largest launch's state
-        largest = max(sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for p in params
-                          for k in opt.state[p] if k != "step") for _, params in off._order)
-        assert off.device_bytes() <= len(off.slots) * (largest + 256 * 12)
+        # the device holds the state of at most `slots` launches, each in a buffer of its own size
+        sizes = sorted(sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for p in params
+                           for k in opt.state[p] if k != "step") for _, params in off._order)
+        slack = 256 * max(len(params) for _, params in off._order) * 4  # each tensor starts 256-byte aligned
+        assert 0 < off.device_bytes() <= sum(sizes[-len(off.slots) :]) + len(off.slots) * slack
 
 
 def test_a_changed_order_falls_back_to_copies_and_keeps_the_bits(small_chunks):
@@ -155,6 +156,7 @@ def test_offload_names_through_the_trainer(tmp_path, accumulate):
     """optim="apexw_4bit_offload" (release + offload) trains as "apexw_4bit_release", and "apexw_4bit" with
     optim_args="state_offload=true" (no release, so gradient accumulation works) as "apexw_4bit"; the callback says
     where the state is."""
+    pytest.importorskip("datasets")  # the tiny data set is a datasets.Dataset (not on every GPU image)
     from transformers import Trainer, TrainingArguments
 
     from apexw_hf.integrations.callbacks import OptimizerStateCallback
