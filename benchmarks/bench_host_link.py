@@ -10,6 +10,7 @@ streams and reports each direction's rate over the pair's wall time.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -56,8 +57,12 @@ def measure(gib: float, repeats: int) -> dict:
     d2h = _timed(lambda: host_b.copy_(dev_a, non_blocking=True), repeats)
     pair = _timed(both, repeats)
     assert bool((dev_b == 1).all()) and bool((host_b == 2).all())
+    from apexw_hf.provenance import source_commit
+
     return {
         "gpu": torch.cuda.get_device_name(),
+        "commit": source_commit()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "bytes": n,
         "h2d_gb_s": n / h2d / 1e9,
