@@ -253,6 +253,23 @@ def run_one(cell: str, shape: str, args) -> dict:
     call_totals = install_call_timers() if args.time_calls else None
     call_marks = []
 
+    # the forward pass's GPU time per step (CUDA events at the model's outermost forward; the recomputation of
+    # checkpointed layers runs in backward and is not in it): what a step would take without backward, the part of a
+    # state offload's link-bound step that its copies cannot hide behind
+    forward_events, forward_s = [], []
+
+    def _forward_start(module, inputs):
+        if module.training:
+            forward_events.append([torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)])
+            forward_events[-1][0].record()
+
+    def _forward_end(module, inputs, output):
+        if module.training and forward_events:
+            forward_events[-1][1].record()
+
+    model.register_forward_pre_hook(_forward_start)
+    model.register_forward_hook(_forward_end)
+
     class Probe(TrainerCallback):
         def on_step_begin(self, a, state, control, **k):
             if args.snapshot and args.snapshot_from == "step" and state.global_step == args.warmup:
@@ -271,6 +288,8 @@ def run_one(cell: str, shape: str, args) -> dict:
                 snapshot["trace"] = trace
             torch.cuda.synchronize()
             times.append(time.perf_counter())
+            forward_s.append(sum(start.elapsed_time(end) for start, end in forward_events) / 1e3)
+            forward_events.clear()
             if call_totals is not None:
                 call_marks.append({k: tuple(v) for k, v in call_totals.items()})
             inner_opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -341,6 +360,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "host_pinned_gib": _host_pinned_gib(),
         "s_per_step": statistics.median(steps) if steps else None,
+        "forward_s": statistics.median(forward_s[args.warmup:]) if len(forward_s) > args.warmup else None,
         "step_s": [round(t, 5) for t in all_steps],
         **release,
         **calls,
