@@ -21,6 +21,8 @@ import ledger  # noqa: E402
 from bench_full_finetune_memory import CONTEXT_GIB, GPU_SIZES_GB, fits  # noqa: E402
 
 MEMORY_GRIDS = "gradient_release_h200/memory_*"
+OFFLOAD_GRIDS = "state_offload/*"  # the state offload cells' runs (their GPU is in the full table)
+OFFLOAD_CELLS = ("apexw_8bit_offload+liger@bf16", "apexw_4bit_offload+liger@bf16")
 SHAPE_NAMES = {"1b": "Llama-3.2-1B", "3b": "Llama-3.2-3B", "8b": "Llama-3.1-8B"}
 LABELS = {
     "torch_fused@fp32": "torch AdamW (fused), fp32 master weights",
@@ -54,7 +56,10 @@ README_CELLS = (
 def load_runs() -> dict[tuple[str, str], dict]:
     runs = {}
     found = [
-        r for r in ledger.load("memory") if fnmatch.fnmatchcase(r["grid"] or "", "gradient_release_h200/memory_*")
+        r
+        for r in ledger.load("memory")
+        if fnmatch.fnmatchcase(r["grid"] or "", MEMORY_GRIDS)
+        or (fnmatch.fnmatchcase(r["grid"] or "", OFFLOAD_GRIDS) and r["cell"] in OFFLOAD_CELLS)
     ]
     for row in sorted(found, key=lambda r: (r["grid"], r["run"])):
         if row.get("tag") or row.get("optim_args"):
@@ -70,23 +75,35 @@ def _fits(row: dict) -> str:
     return "-" if ok == "-" else ", ".join(f"{s} GB" for s in ok.split(","))
 
 
+def _host_gib(row: dict) -> float | None:
+    """The pinned host memory a state offload run held (what the allocator reserved, where the run recorded it; else
+    the state's own bytes), None for a run that kept its state on the GPU."""
+    if row.get("state_host_gib") is None:
+        return None
+    return row.get("host_pinned_gib") or row["state_host_gib"]
+
+
 def _host(row: dict) -> str:
-    """The state's bytes in host memory (state offload), "-" for a run that kept its state on the GPU."""
-    return "-" if row.get("state_host_gib") is None else f"{row['state_host_gib']:.2f}"
+    value = _host_gib(row)
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _gpu(row: dict) -> str:
+    return (row.get("gpu") or "-").replace("NVIDIA ", "")
 
 
 def full_table(runs: dict) -> str:
     lines = [
         "| shape | optimizer | peak allocated GiB | peak reserved GiB | s/step | optimizer state MiB | "
-        "of it in host memory GiB | gradients alive at the step | fits | run |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "pinned host memory GiB | gradients alive at the step | fits | GPU | run |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     order = list(LABELS)
     for (shape, cell), r in sorted(runs.items(), key=lambda kv: (kv[0][0], order.index(kv[0][1]))):
         lines.append(
             f"| {SHAPE_NAMES[shape]} | {LABELS[cell]} | {r['peak_allocated_gib']:.2f} | "
             f"{r['peak_reserved_gib']:.2f} | {r['s_per_step']:.3f} | {r['optimizer_state_mib']:.0f} | "
-            f"{_host(r)} | {r['grads_alive_before_step']} | {_fits(r)} | "
+            f"{_host(r)} | {r['grads_alive_before_step']} | {_fits(r)} | {_gpu(r)} | "
             f"[{r['commit']}](results/memory.jsonl) |"
         )
     return "\n".join(lines)
@@ -101,13 +118,18 @@ def readme_table(runs: dict) -> str:
         cells = []
         for s in shapes:
             r = runs.get((s, cell))
-            cells.append("-" if r is None else f"{r['peak_allocated_gib']:.1f} GiB ({_fits(r).split(',')[0]})")
+            if r is None:
+                cells.append("-")
+                continue
+            host = "" if _host_gib(r) is None else f"; {_host_gib(r):.1f} GiB host"
+            cells.append(f"{r['peak_allocated_gib']:.1f} GiB ({_fits(r).split(',')[0]}{host})")
         lines.append(f"| {LABELS[cell]} | " + " | ".join(cells) + " |")
     note = (
         "\nPeak GPU memory allocated through the Hugging Face Trainer, seq 1024 x batch 4, gradient checkpointing, "
-        "random weights of each model's shape, one H200; in brackets the smallest of "
+        "random weights of each model's shape, one H200 (the `_offload` rows: one H100); in brackets the smallest of "
         f"{', '.join(map(str, GPU_SIZES_GB))} GB that holds the peak reserved memory plus {CONTEXT_GIB} GiB for the "
-        "CUDA context. Every cell, speeds and the method: "
+        "CUDA context, and for the `_offload` rows the pinned host memory they hold. Every cell, speeds and the "
+        "method: "
         "[docs/full_finetune.md](docs/full_finetune.md#what-fits-where)."
     )
     return "\n".join(lines) + "\n" + note
