@@ -15,9 +15,8 @@ Buckets come in the same order every step (gradient release cuts the same bucket
 ``step()`` cuts the same chunks), so the offload learns the order of the last step and, after each launch, copies in
 the state of the next ``slots - 1`` buckets of that order. A bucket that is not the one expected (the first step, a
 parameter without a gradient, a changed grouping) is copied in when it is launched: the same bits, later. The device
-holds ``slots`` buffers of the largest ordinary bucket's state and one of the largest single tensor's that dwarfs
-them (a vocabulary embedding); the host copy of a bucket's state is never older than its last update once
-:meth:`StateOffload.sync` has returned (``state_dict`` and the readers above call it).
+holds ``slots`` buffers of the largest bucket's state; the host copy of a bucket's state is never older than its
+last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above call it).
 
 Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the bucket being launched, and with
 three slots the copy in of bucket ``k + 1`` and the copy out of bucket ``k - 1`` use different buffers and run at
@@ -35,7 +34,6 @@ import torch
 from . import state as st
 
 DEFAULT_SLOTS = 3
-BIG_MIN = 2**28  # bytes: a one-tensor bucket's state at least this large (and 1.5x any other bucket's) is "big"
 ALIGN = 256  # bytes: every staged tensor starts at a multiple (16 is what the kernel's vector loads need)
 STEP_CHUNK = 2**26  # elements per launch of step() under offload (a param larger than that is one launch alone)
 
@@ -96,13 +94,7 @@ class StateOffload:
 
     def __init__(self, optimizer, slots: int = DEFAULT_SLOTS):
         self.optimizer = optimizer
-        # `slots` buffers for the ordinary buckets, all grown to the largest of them, and one for the "big" ones: a
-        # single tensor whose state dwarfs every other bucket's (a vocabulary embedding or output layer), so that it
-        # does not make every buffer its size. Allocated once and kept: buffers of each bucket's own size left the
-        # allocator ~5 GiB of reserved memory it could not reuse on 8B shapes.
-        self.slots = [_Slot() for _ in range(slots + 1)]
-        self._regular = slots
-        self._sizes: dict[tuple, tuple[int, int]] = {}  # bucket key -> (staged bytes, tensors)
+        self.slots = [_Slot() for _ in range(slots)]
         self.device: torch.device | None = None
         self._h2d = self._d2h = None  # side streams (CUDA)
         self._order: list[tuple[tuple, list]] = []  # the last finished step's buckets: (key, params), in order
@@ -160,9 +152,8 @@ class StateOffload:
         index = next((i for i, s in enumerate(self.slots) if s.key == key), None)
         if index is None:
             self.misses += 1
-            layout, size = self._layout(group, key, params)
-            index = self._slot_index(pos, size, len(params))
-            self._copy_in(index, key, layout, size)
+            index = pos % len(self.slots)
+            self._copy_in(index, group, key, params)
         else:
             self.hits += 1
         slot = self.slots[index]
@@ -216,53 +207,31 @@ class StateOffload:
         step), each into slot ``position % slots``, unless it is on the device already."""
         if not self._order or self.device is None:
             return
-        launched = {k for k, _ in self._now}
-        for pos in range(start, min(start + self._regular - 1, len(self._order))):
+        for pos in range(start, min(start + len(self.slots) - 1, len(self._order))):
             key, params = self._order[pos]
-            if key in launched or any(s.key == key for s in self.slots):
-                continue  # launched already in this step (the order changed), or on the device
+            if any(s.key == key for s in self.slots):
+                continue
+            if any(key == k for k, _ in self._now):
+                continue  # launched already in this step (the order changed): nothing to prefetch
             group = self.optimizer.param_groups[self.optimizer._group_slot(params[0])[0]]
-            layout, size = self._layout(group, key, params)
-            index = self._slot_index(pos, size, len(params))
-            if self.slots[index].key in {k for k, _ in self._order[start:pos]} - launched:
-                continue  # the slot holds a bucket due before this one (two big buckets close together)
-            self._copy_in(index, key, layout, size)
+            self._copy_in(pos % len(self.slots), group, key, params)
 
-    def _layout(self, group: dict, key: tuple, params: list[torch.Tensor]) -> tuple[list, int]:
-        """Where each state tensor of ``params`` goes in a buffer: ``[(id(param), key, host tensor, offset)]`` and the
-        bytes it needs."""
+    def _copy_in(self, index: int, group: dict, key: tuple, params: list[torch.Tensor]) -> None:
+        """Copy the host state of ``params`` into slot ``index`` (growing it if needed), after the slot's last copy
+        out and the bucket's own last copy out."""
+        slot = self.slots[index]
+        states = [self.host_state(p, group) for p in params]
         layout, size = [], 0
-        for p in params:
-            s = self.host_state(p, group)
+        for p, s in zip(params, states):
             for k in _tensor_keys(s):
                 t = s[k]
                 layout.append((id(p), k, t, size))
                 size = _align(size + t.numel() * t.element_size())
-        self._sizes[key] = (size, len(params))
-        return layout, size
-
-    def _slot_index(self, pos: int, size: int, count: int) -> int:
-        """The slot of the bucket at step position ``pos`` (``size`` bytes, ``count`` tensors): the big buffer for a
-        single tensor much larger than every bucket of several, else ordinary slot ``pos % slots``."""
-        if count == 1 and size >= BIG_MIN:
-            others = [b for b, n in self._sizes.values() if n > 1]
-            if not others or size > 1.5 * max(others):
-                return self._regular
-        return pos % self._regular
-
-    def _copy_in(self, index: int, key: tuple, layout: list, size: int) -> None:
-        """Copy the host state in ``layout`` into slot ``index`` (growing its buffer if needed), after the slot's last
-        copy out and the parameters' own last copies out."""
-        slot = self.slots[index]
-        # The buffer is kept from launch to launch; an ordinary slot that grows takes the size of the largest
-        # ordinary buffer too (they converge on the largest bucket after the first step), the big one its bucket's.
         fresh = slot.buffer is None or slot.buffer.numel() < size
         if fresh:
-            if index < self._regular:
-                size = max([size] + [s.buffer.numel() for s in self.slots[: self._regular] if s.buffer is not None])
-            slot.buffer = None
-            slot.buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if self._h2d is not None:  # used on the side streams: its frees wait for their work queued by then
+            grown = max([size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
+            slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
+            if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
         views: dict[int, dict[str, torch.Tensor]] = {}
