@@ -343,6 +343,15 @@ class _GroupPlan:
         ]
         # after the layouts, which may move state (_flatten); a state tensor replaced since makes a new plan
         self.moments = [s.get(key) for s in states for key in STATE_KEYS]
+        # the chunks hold views of the parameters' memory: a parameter given other memory since makes a new plan
+        self.addresses = _addresses(params)
+
+
+def _addresses(params: list) -> list[int]:
+    """Where each parameter's (local shard's) elements are. ``p.data = ...``, ``torch.utils.swap_tensors`` (which
+    ``Module._apply`` uses for ``DTensor`` parameters) and FSDP2 re-padding a shard keep the parameter object but move
+    its elements; the views a plan took of the old memory would then be stepped instead."""
+    return [dt.local(p).data_ptr() for p in params]
 
 
 class TorchEngine:
@@ -400,8 +409,10 @@ class TorchEngine:
             and len(step_tensors) == len(cached.step_views)
             and all(map(operator.is_, step_tensors, cached.step_views))
             and all(map(operator.is_, (s.get(key) for s in states for key in STATE_KEYS), cached.moments))
+            and _addresses(params) == cached.addresses
         ):
-            # The same params step again, with the same state: their step counters are views of one buffer.
+            # The same params step again, in the same memory, with the same state: their step counters are views of
+            # one buffer.
             cached.steps.add_(1.0)
             steps = [int(t) for t in cached.steps.tolist()]
         else:

@@ -28,15 +28,59 @@ def batches(n, rank, world):
     return [(x[rank * 8 : rank * 8 + 8], y[rank * 8 : rank * 8 + 8]) for x, y in data]
 
 
-def train(model, opt, data):
+def train(model, opt, data, record=None):
+    """Train on ``data``; with a list ``record``, append :func:`snapshot` of each step (its gradients, then the
+    parameters and state after it), so a run that parts from another can say where."""
     losses = []
     for x, y in data:
         loss = torch.nn.functional.mse_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
+        grads = [_local(p.grad) for p in model.parameters()] if record is not None else None
         opt.step()
         losses.append(loss.item())
+        if record is not None:
+            record.append({"loss": losses[-1], "grads": grads, **snapshot(model, opt)})
     return losses
+
+
+def _local(t):
+    if t is None:
+        return None
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def snapshot(model, opt):
+    """This rank's parameters (local shards) and optimizer state, copied."""
+    params = list(model.parameters())
+    state = [{k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for p in params]
+    return {"params": [_local(p) for p in params], "state": state}
+
+
+def same_bits(a, b) -> bool:
+    """Bit for bit (NaN equal to the same NaN, -0 not equal to +0), through tensors, dicts, lists and plain values."""
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def first_difference(expected: list, got: list, start: int = 0) -> str | None:
+    """Where the step records ``got`` (of steps ``start + 1``, ``start + 2``, ...) first part from ``expected`` (of
+    steps 1, 2, ...), or None where they agree."""
+    for step, e, g in zip(range(start + 1, len(expected) + 1), expected[start:], got):
+        if not same_bits(e["loss"], g["loss"]):
+            return f"step {step}: the loss"
+        for key in ("grads", "params", "state"):
+            bad = [j for j, (a, b) in enumerate(zip(e[key], g[key])) if not same_bits(a, b)]
+            if bad:
+                return f"step {step}: {key} of parameters {bad}"
+    return None
 
 
 def sharded(world, mesh=None):

@@ -345,6 +345,20 @@ def test_state_edits_between_steps_are_honored(small_chunks, fmt):
     assert_same(opt_a, pa, opt_b, pb)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_parameters_given_new_memory_between_steps_are_stepped(small_chunks, fmt):
+    """The chunks keep views of the parameters' memory. A parameter object that keeps its identity and state but gets
+    other memory (``p.data = ...``; ``swap_tensors``, which ``Module._apply`` uses for DTensor parameters; FSDP2
+    re-padding a shard) must be stepped where its elements are now: a full chunk, a tail, a packed tensor."""
+    values, grads = _random([(4096 + 300,), (17, 33), (9,)], steps=3, seed=21)
+    opt_a, pa, opt_b, pb = _twins(values, torch.float32, state_format=fmt, lr=1e-2, seed=4)
+    _run(opt_a, pa, opt_b, pb, grads[:1])
+    for p in pa:
+        p.data = p.data.clone()  # same values, other memory
+    _run(opt_a, pa, opt_b, pb, grads[1:])
+    assert_same(opt_a, pa, opt_b, pb)
+
+
 def test_auto_engine_on_cpu_uses_it():
     p = torch.nn.Parameter(torch.randn(10))
     opt = ApexW([p])
