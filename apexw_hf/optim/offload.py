@@ -137,9 +137,6 @@ class StateOffload:
             self._h2d = torch.cuda.Stream(device)
             self._d2h = torch.cuda.Stream(device)
 
-    def _event(self):
-        return None if self._h2d is None else torch.cuda.Event()
-
     # ---- one launch ------------------------------------------------------------------------------------------
 
     def stage(self, group: dict, params: list[torch.Tensor], key: tuple) -> tuple[int, dict[int, dict]]:
@@ -158,8 +155,10 @@ class StateOffload:
             self.hits += 1
         slot = self.slots[index]
         self._drop_overlaps(index, key)
-        if slot.copied_in is not None:
+        if slot.copied_in is not None:  # (the copy in itself waited for the slot's last copy out)
             torch.cuda.current_stream(self.device).wait_event(slot.copied_in)
+        elif slot.copied_out is not None:  # resident: the launch must not write while its last copy out reads
+            torch.cuda.current_stream(self.device).wait_event(slot.copied_out)
         host = self.optimizer.state
         staged = {id(p): {"step": host[p]["step"], **slot.views[id(p)]} for p in params}
         return index, staged
