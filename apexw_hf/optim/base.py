@@ -497,9 +497,7 @@ class ApexW(torch.optim.Optimizer):
             )
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
         offload = self._offload
-        for p in params:
-            offload.host_state(p, group)
-        index, staged = offload.stage(group, params, key)
+        index, staged = offload.stage(group, params, key)  # creates the host state of new parameters
         bucket = key if bucket is None else bucket  # step()'s chunks: one launch plan each
         engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, states=staged)
         offload.done(index, params, staged)

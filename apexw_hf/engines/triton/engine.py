@@ -247,8 +247,8 @@ class TritonEngine:
         bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
         the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``states``:
         ``id(param) -> state dict`` of every param stepped, to update instead of ``optimizer.state[param]`` (state
-        offload stages the state of each launch in a device buffer; the plans then take these tensors' addresses, and
-        the state dicts' ``"step"`` become views into the engine's step counters, as at a rebuild).
+        offload stages the state of each launch in a device buffer; the plans then take these tensors' addresses, and a
+        rebuild makes these dicts' ``"step"`` the views into the step counters, which the caller keeps).
         """
         if not params:
             return
@@ -330,8 +330,6 @@ class TritonEngine:
             staged = _staged(states, cache.member_ids)
             for plan, slots, _ in cache.plans:
                 plan.set_state_ptrs(staged if len(cache.plans) == 1 else [staged[i] for i in slots])
-            for i, s in zip(cache.member_ids, staged):
-                s["step"] = cache.steps[cache.slot_of[i]]
         grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
         for plan, _, _ in cache.plans:
             plan.launch(
