@@ -323,11 +323,11 @@ class ApexW(torch.optim.Optimizer):
             torch.float32
         """
         self._check_own_param(p, "dequantized_state")
-        if self._offload is None:
-            return st.dequantized(self.state.get(p, {}), p)
-        self._offload.sync()
+        if self._offload is not None:
+            self._offload.sync()
         out = st.dequantized(self.state.get(p, {}), p)
-        return {k: v if k == "step" else v.to(p.device) for k, v in out.items()}
+        # offloaded state decodes in host memory: the moments go to the parameter's device, as documented
+        return {k: v if k == "step" else v.to(dt.local(p).device) for k, v in out.items()}
 
     def to_torch_adamw_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as a ``torch.optim.AdamW`` state dict, to leave ApexW mid-training.
