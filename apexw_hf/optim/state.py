@@ -80,19 +80,30 @@ def init_state(
     if dt.is_dtensor(p):
         return dt.wrap_state(init_state(p.to_local(), fmt, device=device, pin_memory=pin_memory), p)
     state = {"step": torch.tensor(0.0, dtype=torch.float32)}
-    kw = {"device": p.device if device is None else device, "pin_memory": pin_memory}
-    if fmt not in MOMENT_DTYPES or fmt.endswith("_v1"):
+    device = p.device if device is None else device
+
+    def zeros(shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+    if fmt == "fp32":
+        state["exp_avg"] = zeros(p.shape, torch.float32)
+        state["exp_avg_sq"] = zeros(p.shape, torch.float32)
+    elif fmt == "compact":
+        state["exp_avg"] = zeros(p.shape, torch.bfloat16)
+        state["exp_avg_sq"] = zeros(p.shape, torch.bfloat16)
+    elif fmt == "8bit":
+        nb = ref.num_blocks(p.numel())
+        state["exp_avg"] = zeros(p.shape, torch.uint8)
+        state["exp_avg_scale"] = zeros(nb, torch.bfloat16)
+        state["exp_avg_sq"] = zeros(p.shape, torch.uint8)
+        state["exp_avg_sq_scale"] = zeros(nb, torch.bfloat16)
+    elif fmt == "4bit":
+        nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
+        state[MV4_KEY] = zeros(p.shape, torch.uint8)
+        state["exp_avg_scale"] = zeros(nb, torch.bfloat16)
+        state["exp_avg_sq_scale"] = zeros(nb, SCALE_DTYPES[fmt][1])
+    else:
         raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
-    nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt]) if fmt in QUANTIZED else 0
-    scales = dict(zip(SCALE_KEYS, SCALE_DTYPES.get(fmt, ())))
-    for key, dtype in zip(moment_keys(fmt), MOMENT_DTYPES[fmt]):
-        state[key] = torch.zeros(p.shape, dtype=dtype, **kw)
-        if fmt == "8bit":  # each moment's codes, then its scales
-            scale = key + "_scale"
-            state[scale] = torch.zeros(nb, dtype=scales[scale], **kw)
-    if fmt == "4bit":
-        for key, dtype in scales.items():
-            state[key] = torch.zeros(nb, dtype=dtype, **kw)
     return state
 
 
