@@ -200,8 +200,8 @@ def main(argv=None) -> list[dict]:
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, "
         f"{time.time() - t0:.0f} s; command: `{cmd.strip()}`",
         "",
-        "Mean distance moved by the small elements after the burst, as a ratio to fp32 torch AdamW's, by "
-        "`v` ratio (block maximum / element) of their gradients; target 0.9-1.1.",
+        f"Mean distance moved by the small elements (after a burst of {args.burst} steps), as a ratio to fp32 "
+        "torch AdamW's, by the ratio of the block maximum's g**2 to theirs; target 0.9-1.1.",
         "",
         *table(rows, formats, beta2s, log2_ratios, scenarios),
     ]

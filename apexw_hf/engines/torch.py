@@ -78,9 +78,7 @@ from .torch_passes import (
     bf16_stochastic,
     block_scales,
     decode_4bit,
-    decode_8bit,
     encode_4bit,
-    encode_8bit,
     full_bits,
     hash_into,
     sign_and_abs,
@@ -515,7 +513,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     b = sc.upto(n, layout.block or ref.BLOCK)
     G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
     MV = b.mv  # m and v side by side (2n), or None
-    codes2 = scales2 = None  # both moments' 8-bit codes (scales) side by side, where they are
+    scales2 = None  # both moments' scales side by side, where they are
     four = fmt == "4bit"
     # ---- gather ---------------------------------------------------------------------------------------------
     if ch.direct:
@@ -556,9 +554,9 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             b.mv.copy_(io["mom"])
         else:
             m_scale, v_scale, scales2 = io["scl_m"], io["scl_v"], io["scl"]
-            codes2 = None if four else io["mom"]
-    if fmt == "8bit":
-        decode_8bit(b, c, m_state, v_state, m_scale, v_scale, scales2)  # into b.m and b.v
+    if fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
+        b.m.copy_(ref.dequantize_m(m_state, m_scale).reshape(-1))
+        b.v.copy_(ref.dequantize_v(v_state, v_scale).reshape(-1))
     elif four:
         decode_4bit(b, c, m_state, m_scale, v_scale, scales2)  # m_state: both moments' codes
     v_np = b.np["v"] if b.cpu and V is b.v else None
@@ -593,8 +591,8 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             p_out = None
     # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
-        # the whole word for compact, 4-bit (its v reads bits 6-21) and a bf16 parameter; else the low 16 bits
-        top = fmt in ("compact", "4bit") or p_out is not None
+        # the whole word for compact, 8-bit and 4-bit (their v reads bits 6-21) and a bf16 parameter
+        top = fmt in ("compact", "8bit", "4bit") or p_out is not None
         hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=top)
     if p_out is not None and stochastic_p:  # bf16 with 8-bit or 4-bit state: the top 16 bits of the moments' word
         _round_param(P, dtype, b, c, p_out)
@@ -608,25 +606,21 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         else:
             bf16_stochastic(M, b.t, b.t, m_state, c)
             bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, v_state, c)
-    elif fmt in SCALE_BLOCKS:
+    elif fmt == "8bit":  # format version 3: the reference's encoding over the chunk's whole blocks
+        bits = full_bits(b)
+        qm, qms = ref.quantize_m(M, bits)
+        qv, qvs = ref.quantize_v(V, bits, v_scale, float(beta2))
+        for dst, x in ((m_state, qm), (m_scale, qms), (v_state, qv), (v_scale, qvs)):
+            dst.copy_(x.view(dst.shape))
+    elif four:
         sign_and_abs(b, c)
-        path = block_scales(b, c, m_scale, v_scale, scales2, four_bit=four)
+        path = block_scales(b, c, m_scale, v_scale)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
-            bits = full_bits(b)
             m = torch.where(b.a > 0, -M, M)
-            if four:
-                for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, bits)):
-                    dst.copy_(x)
-            else:
-                todo = ((m, m_state, m_scale, ref.quantize_m), (V, v_state, v_scale, ref.quantize_v))
-                for x, codes, scale, quantize in todo:
-                    qc, qs = quantize(x, bits)
-                    codes.copy_(qc)
-                    scale.copy_(qs)
-        elif four:
-            encode_4bit(b, c, m_state, path == "exact")
+            for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, full_bits(b))):
+                dst.copy_(x)
         else:
-            encode_8bit(b, c, m_state, v_state, path == "exact", codes2)
+            encode_4bit(b, c, m_state, path == "exact")
     if not ch.direct and io["moments_out"][0]:
         torch._foreach_copy_(*io["moments_out"])
 

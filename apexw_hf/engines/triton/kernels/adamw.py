@@ -18,8 +18,9 @@ computed in the kernel from a per-tensor key and ``mix32(step)`` (mixed on the h
 changes from step to step.
 
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
-``"8bit"`` uint8 minifloat codes (format version 2) with one bf16 scale per 256 elements; ``"4bit"`` both moments'
-4-bit codes in one byte per element (``exp_avg_mv``), one bf16 scale per 128 elements and moment. bf16/fp16
+``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
+fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``), one scale
+per 128 elements and moment. bf16/fp16
 parameters are rounded stochastically (``STOCHASTIC_PARAM``) or to nearest. With 8-bit or 4-bit state, a bf16
 parameter is rounded with the top 16 bits of the moments' random word (``reference.param_stream``), so the kernel
 hashes one word per element.
@@ -255,11 +256,12 @@ def _adamw_kernel(
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
             blk0 = start // QBLOCK
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            # format version 3: the v scales are fp32 (an envelope that the encoding reads back)
+            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
-            vsc = tl.load(vs_ptr + rows, mask=bmask, other=0)
+            vsc = tl.load(vs_ptr + rows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             if EVEN and ALIGNED:
                 # Whole blocks at 16-byte aligned addresses: the codes are read as uint32 words, four to a word, and
                 # decoded two at a time (see _quant.dequant_m_words).
@@ -292,8 +294,8 @@ def _adamw_kernel(
             tl.store(m_ptr + offs, m, mask=mask)
             tl.store(v_ptr + offs, v, mask=mask)
         else:
-            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9 v,
-            # bits 10-15 m, and the top 16 a bf16 parameter; 4bit: bits 0-5 m, bits 6-21 v, the top 16 a parameter).
+            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit and 4bit:
+            # bits 0-5 m, bits 6-21 v, the top 16 a bf16 parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
                 tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
@@ -308,7 +310,7 @@ def _adamw_kernel(
                 # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
                 one = bmask.to(tl.uint32)[:, None]
                 cm, sm = quant_m(m, mask, bits_mv, one)
-                cv, sv = quant_v(v, mask, bits_mv, one)
+                cv, sv = quant_v(v, mask, bits_mv, one, vsc, beta2)
                 tl.store(mc_ptr + offs, cm, mask=mask)
                 tl.store(vc_ptr + offs, cv, mask=mask)
                 tl.store(ms_ptr + rows, sm, mask=bmask)

@@ -90,13 +90,14 @@ MAX_REGISTERS = {
 _STATE_DTYPES = {
     "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
     "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+    # 8-bit format version 3: fp32 v scales (versions 1 and 2 are converted on load, never stepped)
     "8bit": {
         "exp_avg": torch.uint8,
         "exp_avg_sq": torch.uint8,
         "exp_avg_scale": torch.bfloat16,
-        "exp_avg_sq_scale": torch.bfloat16,
+        "exp_avg_sq_scale": torch.float32,
     },
-    # format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
+    # 4-bit format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
     "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
 }
 
