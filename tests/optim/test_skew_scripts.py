@@ -55,3 +55,13 @@ def test_kernel_sass_compiles_for_sm90_on_the_cpu():
     ).stdout
     lines = out.splitlines()
     assert len(lines) == 2 and all(x.startswith("sm_90 8bit p=g=") and "SASS instructions" in x for x in lines)
+
+
+def test_skew_candidates_tiny_run():
+    rows = load_script("skew_candidates").main(["--beta2", "0.99", "--ratios", "4", "--steps-scale", "0.02"])
+    assert {(r["format"], r["scenario"]) for r in rows} == {
+        (c, s) for c in ("4bit_env", "8bit_exact") for s in ("held", "decaying")
+    }
+    assert all(0.5 < r["ratio"] < 2 for r in rows)
+    with pytest.raises(ValueError, match="int4"):
+        load_script("skew_candidates").main(["--candidates", "int4"])
