@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apexw_hf.provenance import source_commit  # noqa: E402
 
 THRESHOLDS = (4, 8, 12, 14, 16, 18, 20, 24)  # log2 of the skew: 14 and 18 are the 4-bit and 8-bit code floors
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
@@ -91,6 +92,8 @@ def main(argv=None) -> list[dict]:
                 for block in BLOCKS:
                     rows.append({"step": state.global_step, "block": block, **summarize(vs, block)})
 
+    commit, dirty = source_commit()  # before the run: the tree it ran
+    commit = f"{(commit or 'unknown')[:7]}{' (uncommitted changes)' if dirty else ''}"
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare_base(cfg, out, verbose=False)
@@ -110,12 +113,6 @@ def main(argv=None) -> list[dict]:
         )
         trainer.train()
     n_params = sum(p.numel() for p in model.parameters())
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    ).stdout.strip()
     cmd = "python scripts/block_skew.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, {time.time() - t0:.0f} s; "

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apexw_hf.provenance import source_commit  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import skew_walk as sw  # noqa: E402
@@ -125,6 +127,8 @@ def main(argv=None) -> list[dict]:
     ratios = tuple(int(x) for x in args.ratios.split(","))
     scenarios = tuple(args.scenarios.split(","))
     torch.set_num_threads(1)
+    commit, dirty = source_commit()  # before the run: the tree it ran
+    commit = f"{(commit or 'unknown')[:7]}{' (uncommitted changes)' if dirty else ''}"
     t0 = time.time()
     rows = []
     for scenario in scenarios:
@@ -146,12 +150,6 @@ def main(argv=None) -> list[dict]:
                             "ratio": x,
                         }
                     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    ).stdout.strip()
     cmd = "python scripts/skew_candidates.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text = "\n".join(
         [

@@ -92,8 +92,8 @@ class ApexW(torch.optim.Optimizer):
         >>> opt = ApexW(model.parameters(), lr=1e-3, state_format="8bit")
         >>> model(torch.randn(3, 4)).sum().backward()
         >>> opt.step(); opt.zero_grad()
-        >>> opt.state_bytes()  # 10 one-byte codes per moment, 2 bf16 scales per moment, 2 fp32 steps
-        36
+        >>> opt.state_bytes()  # 10 one-byte codes per moment, 2 bf16 m scales, 2 fp32 v scales, 2 fp32 steps
+        40
     """
 
     def __init__(

@@ -178,5 +178,5 @@ def test_group_format_override_4bit():
     assert opt.state[emb]["exp_avg"].dtype == torch.uint8 and "exp_avg_mv" not in opt.state[emb]
     assert set(opt.state[lin]) == {"step", "exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"}
     assert opt.state[lin]["exp_avg_mv"].dtype == torch.uint8 and opt.state[lin]["exp_avg_mv"].shape == (8, 30)
-    # 8bit: 800 + 800 codes, 4 blocks of 256 x 2 bf16 scales; 4bit: 240 bytes, 2 blocks of 128 x (bf16 + fp32) scales
+    # 8bit: 800 + 800 codes, 4 blocks of 256 x (bf16 + fp32) scales; 4bit: 240 bytes, 2 blocks of 128 x the same
     assert opt.state_bytes() == (2 * 800 + 4 * (2 + 4) + 4) + (240 + 2 * (2 + 4) + 4)
