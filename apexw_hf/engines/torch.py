@@ -24,7 +24,7 @@ for a CPU:
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
-  order. The two moments sit side by side in one buffer, so ``m * beta1`` and ``v * beta2`` (and most 8-bit work) are
+  order. The two moments sit side by side in one buffer, so ``m * beta1`` and ``v * beta2`` (and most 4-bit work) are
   one operation each, with a column of per-moment constants.
 * Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
   wrapping multiplies and masked shifts (exact mod 2**32), one word per element for the moments (and, for bf16
@@ -32,15 +32,16 @@ for a CPU:
   :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
-* 8-bit state (format version 2) is decoded through fp16, whose bias and subnormals the minifloat codes share, and
-  encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both).
-  4-bit state is the same without mantissa bits: both codes of a byte decoded through fp16 at once, and encoded into
-  the one byte by the same integer work.
-* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit and 4-bit
-  encodings) do not handle NaN; where a chunk's moments hold a NaN (or, for 8-bit and 4-bit, an infinity) the
-  reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
-  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 8-bit and 4-bit chunks
-  with a block scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
+* 4-bit state is decoded through fp16, whose bias and subnormals its codes share, and encoded into the one byte by
+  integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both). 8-bit state
+  (format version 3) is decoded and encoded by the reference's own functions over the chunk's whole blocks (its
+  blocks and random words are the reference's per tensor): exact, but several times slower than passes of its own
+  would be, which it does not have yet; the numba path (the CPU default) and the Triton kernels have theirs.
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 4-bit encoding) do not
+  handle NaN; where a chunk's moments hold a NaN (or, for 4-bit, an infinity) the reference's own functions encode
+  that chunk, and a bf16 parameter chunk with a NaN goes through
+  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 4-bit chunks with a block
+  scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
