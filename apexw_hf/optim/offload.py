@@ -41,7 +41,7 @@ import torch
 from . import state as st
 
 DEFAULT_SLOTS = 3
-PIECE_BYTES = 2**28  # bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least)
+PIECE_BYTES = 2**26  # bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least)
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 
 
