@@ -9,9 +9,9 @@ buffers ("slots"):
 
 1. *stage*: the piece's state is copied host -> device into a slot on a side stream (or found there already: it was
    prefetched, or is still resident from the last step), and the compute stream waits for that copy only;
-2. the plan is launched over the piece's work items with a table of state addresses pointing into the slot
-   (``LaunchPlan.state_table``: the address of element 0 of each tensor's state, shifted so that the piece's elements
-   land in the slot; made once per piece and slot, since a piece comes back to the same slot every step);
+2. the plan is launched over the piece's work items with the state addresses pointing into the slot
+   (``LaunchPlan.set_state_bases``: the address of element 0 of each tensor's state, shifted so that the piece's
+   elements land in the slot);
 3. the slot is copied device -> host on a second side stream once the launch is done, while backward goes on.
 
 So the device holds ``slots`` buffers of at most about ``piece_bytes`` each, whatever the size of a bucket or of one
@@ -84,23 +84,23 @@ class _Piece:
     ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
     (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
 
-    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size", "tables")
+    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size")
 
     def __init__(self, key: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
         self.key, self.programs, self.ranges, self.params = key, programs, ranges, params
         self.tensors = tensors  # of the plan
-        self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
 
 
 class _Slot:
-    """One device buffer and what it holds: the piece ``key`` whose state is there (None: nothing usable), and the
-    events of its last copy in and copy out."""
+    """One device buffer and what it holds: the piece ``key`` whose state is there (None: nothing usable), the state
+    bases a launch of that piece takes, and the events of its last copy in and copy out."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
         self.key: tuple | None = None
         self.piece: _Piece | None = None
+        self.bases: list[dict[str, int]] | None = None
         self.copied_in = None  # event: the copy in of ``key`` (waited for by the launch)
         self.copied_out = None  # event: the last copy out of this slot (waited for by the next copy in)
 
@@ -114,8 +114,7 @@ class StateOffload:
         piece_bytes: the most bytes of state one launch updates (one work item's state at least).
     """
 
-    def __init__(self, optimizer, slots: int | None = None, piece_bytes: int | None = None):
-        slots = DEFAULT_SLOTS if slots is None else slots
+    def __init__(self, optimizer, slots: int = DEFAULT_SLOTS, piece_bytes: int | None = None):
         if slots < 2:
             raise ValueError(f"state offload needs at least 2 slots, got {slots}")
         self.optimizer = optimizer
@@ -170,23 +169,15 @@ class StateOffload:
 
     def stager(self, group: dict, key: tuple):
         """What the Triton engine's ``step_group(stager=...)`` calls for each launch plan of launch ``key`` (the ids
-        of its params) of ``group``: ``stage(plan, params, index)`` yields ``(programs, state table)`` per piece, the
-        state of that piece staged on the device for a launch on the current stream; when the engine asks for the next
+        of its params) of ``group``: ``stage(plan, params, index)`` yields ``(programs, bases)`` per piece, the state
+        of that piece staged on the device for a launch on the current stream; when the engine asks for the next
         piece, the last one's launch is queued and its slot is copied back."""
 
         def stage(plan, params: list[torch.Tensor], index: int):
             self._bind(params[0].device)
             for piece in self._cut(plan, params, (key, index)):
-                i = self._stage(group, piece)
-                slot = self.slots[i]
-                base = slot.buffer.data_ptr()
-                table = piece.tables.get(i)
-                if table is None or table[0] != base:
-                    bases: list[dict[str, int]] = [{} for _ in range(piece.tensors)]
-                    for j, _, k, u0, _, b, off in piece.ranges:
-                        bases[j][k] = base + off - u0 * b  # the address of unit 0: the piece's units land in the slot
-                    table = piece.tables[i] = (base, plan.state_table(bases))
-                yield piece.programs, table[1]
+                slot = self._stage(group, piece)
+                yield piece.programs, slot.bases
                 self._done(slot, piece)
 
         return stage
@@ -232,8 +223,8 @@ class StateOffload:
         self._cuts[key] = (plan, pieces)
         return pieces
 
-    def _stage(self, group: dict, piece: _Piece) -> int:
-        """Make the state of ``piece`` ready on the device for a launch on the current stream; its slot's index."""
+    def _stage(self, group: dict, piece: _Piece) -> _Slot:
+        """Make the state of ``piece`` ready on the device for a launch on the current stream; its slot."""
         self._now.append((piece, group))
         self._launched.add(piece.key)
         index = next((i for i, s in enumerate(self.slots) if s.key == piece.key), None)
@@ -249,7 +240,7 @@ class StateOffload:
             torch.cuda.current_stream(self.device).wait_event(slot.copied_in)
         elif slot.copied_out is not None:  # resident: the launch must not write while its last copy out reads
             torch.cuda.current_stream(self.device).wait_event(slot.copied_out)
-        return index
+        return slot
 
     def _done(self, slot: _Slot, piece: _Piece) -> None:
         """After the launch that updated ``slot``: copy it back to the host copies (on the copy-out stream, once the
@@ -312,11 +303,13 @@ class StateOffload:
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
-        pairs = [
-            (slot.buffer[off : off + (u1 - u0) * b], host[p][k].view(-1)[u0:u1].view(torch.uint8))
-            for _, p, k, u0, u1, b, off in piece.ranges
-        ]
-        slot.key, slot.piece = piece.key, piece
+        base = slot.buffer.data_ptr()
+        bases: list[dict[str, int]] = [{} for _ in range(piece.tensors)]
+        pairs = []
+        for j, p, k, u0, u1, b, off in piece.ranges:
+            bases[j][k] = base + off - u0 * b  # the address of unit 0: the piece's units land in the slot
+            pairs.append((slot.buffer[off : off + (u1 - u0) * b], host[p][k].view(-1)[u0:u1].view(torch.uint8)))
+        slot.key, slot.piece, slot.bases = piece.key, piece, bases
         if self._h2d is None:
             for d, s in pairs:
                 d.copy_(s)
@@ -354,7 +347,7 @@ class StateOffload:
                 continue
             for _, p, k, u0, u1, _, _ in s.piece.ranges:
                 if any(v0 < u1 and u0 < v1 for v0, v1 in mine.get((id(p), k), ())):
-                    s.key, s.piece = None, None
+                    s.key, s.piece, s.bases = None, None, None
                     break
 
     # ---- outside the step ------------------------------------------------------------------------------------
@@ -369,7 +362,7 @@ class StateOffload:
         ``load_state_dict``)."""
         self.sync()
         for s in self.slots:
-            s.key, s.piece, s.copied_in = None, None, None
+            s.key, s.piece, s.bases, s.copied_in = None, None, None, None
         self._order, self._now, self._launched = [], [], set()
         self._cuts.clear()
         self._host_ready.clear()

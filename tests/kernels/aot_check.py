@@ -23,7 +23,6 @@ SIGNATURE = {
     "cstart_ptr": "*i32",
     "gfirst_ptr": "*i32",
     "addr_ptr": "*i64",
-    "state_ptr": "*i64",
     "numel_ptr": "*i64",
     "tkey_ptr": "*i32",
     "tstep_ptr": "*i32",

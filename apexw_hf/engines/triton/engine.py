@@ -245,9 +245,9 @@ class TritonEngine:
         bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
         the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``stager``: the
         state lives elsewhere and is staged on the device per launch (state offload): ``stager(plan, params, index)``
-        of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, state table)``,
-        the plan is launched over those work items with the state addresses of that table
-        (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
+        of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, bases)``, the
+        plan is launched over those work items with those state addresses (``LaunchPlan.set_state_bases``), and the
+        stager resumes once the launch is queued.
         """
         if not params:
             return
@@ -338,8 +338,9 @@ class TritonEngine:
             if stager is None:
                 plan.launch(**flags)
                 continue
-            for programs, table in stager(plan, cache.plan_members[i], i):
-                plan.launch(**flags, programs=programs, state_table=table)
+            for programs, bases in stager(plan, cache.plan_members[i], i):
+                plan.set_state_bases(bases)
+                plan.launch(**flags, programs=programs)
 
     @staticmethod
     def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:

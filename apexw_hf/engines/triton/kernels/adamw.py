@@ -153,8 +153,7 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
-    addr_ptr,  # int64 [6, num_tensors]: see ADDR_* (the kernel reads the parameter and gradient rows)
-    state_ptr,  # int64 [4, num_tensors]: the state rows ADDR_M .. ADDR_V_SCALE (of addr_ptr's table, or another's)
+    addr_ptr,  # int64 [6, num_tensors]: see ADDR_*
     numel_ptr,  # int64 [num_tensors]
     tkey_ptr,  # int32 [num_tensors]: mix32(seed + GOLDEN * (tensor_index + 1))
     tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
@@ -221,9 +220,9 @@ def _adamw_kernel(
             idx_golden = (start.to(tl.uint32) + offs.to(tl.uint32)) * GOLDEN
 
         p_addr = tl.load(addr_ptr + ADDR_PARAM * num_tensors + t)
-        m_addr = tl.load(state_ptr + (ADDR_M - ADDR_M) * num_tensors + t)
+        m_addr = tl.load(addr_ptr + ADDR_M * num_tensors + t)
         if FMT != "4bit":
-            v_addr = tl.load(state_ptr + (ADDR_V - ADDR_M) * num_tensors + t)
+            v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
 
         g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if GRAD_SCALE:
@@ -237,9 +236,9 @@ def _adamw_kernel(
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
-            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 2: the v scales are fp32
-            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
+            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             msc = tl.load(ms_ptr + srows, mask=bmask, other=0)
             vsc = tl.load(vs_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             # Both moments' codes in one byte per element: one byte load and one byte store per element.
@@ -256,8 +255,8 @@ def _adamw_kernel(
         elif FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
             blk0 = start // QBLOCK
-            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)

@@ -33,7 +33,7 @@ QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit
 BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The kernel's parameters after its 20 runtime arguments, in signature order: LaunchPlan.launch passes them
+# The kernel's parameters after its 19 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
 _CONSTEXPR_NAMES = (
     "FMT",
@@ -47,7 +47,7 @@ _CONSTEXPR_NAMES = (
     "ROWS",
     "GRAD_SCALE",
 )
-if tuple(_adamw_kernel.arg_names[20:]) != _CONSTEXPR_NAMES:
+if tuple(_adamw_kernel.arg_names[19:]) != _CONSTEXPR_NAMES:
     raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
 
 _TL_DTYPES = {
@@ -155,23 +155,14 @@ def _state_addresses(fmt: str, numel: int, s: dict, device: torch.device) -> tup
     return m, v, 0, 0
 
 
-class StateTable:
-    """A device table of state addresses (int64 [4, tensors]: rows ADDR_M .. ADDR_V_SCALE) for
-    :meth:`LaunchPlan.launch`, and whether its moment rows are 16-byte aligned."""
-
-    __slots__ = ("table", "aligned")
-
-    def __init__(self, table: torch.Tensor, aligned: bool):
-        self.table, self.aligned = table, aligned
-
-
 class LaunchPlan:
     """Static launch metadata for tensors that share a device, a state format, a param dtype and a grad dtype.
 
     Args:
         params: the parameters (contiguous, same dtype and device).
-        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`), or None: every launch then takes
-            a :meth:`state_table` (state offload streams each launch's state through a device buffer).
+        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`), or None: the state addresses are
+            set before each launch (:meth:`set_state_rows`; state offload streams each launch's state through a
+            device buffer).
         fmt: state format.
         tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).
         seed: the optimizer's seed.
@@ -234,6 +225,7 @@ class LaunchPlan:
         gfirst = np.searchsorted(cstart[1:], firsts, side="right")
         self._params_aligned = params_aligned
         self.static_aligned = params_aligned and states_aligned
+        self._state_ptrs = [addr[r] for r in (ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE)]
         self.even = all(k % QBLOCK == 0 for k in numel)  # whole 256-element rows of the kernel's tile: row masks
         self.grads_aligned = False
         dev = self.device
@@ -259,22 +251,31 @@ class LaunchPlan:
         self.grads_aligned = not (table & 15).any()
         _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
 
-    def state_table(self, bases) -> "StateTable":
-        """A state address table of this plan's tensors for :meth:`launch` (``state_table=``), from one dict per tensor
-        (plan order) of state key -> the address of its element 0 (block 0 for a scale). A launch over a range of
-        work items (``programs``) dereferences only that range's elements, so state offload stages a range in a
-        device buffer and passes addresses shifted to match; a tensor whose dict is empty gets address 0 (a launch
-        must not reach it). One copy to the device, when the table is made: a caller keeps the tables it reuses."""
-        if len(bases) != self.num_tensors:
-            raise ValueError(f"state_table: {len(bases)} entries for a plan of {self.num_tensors} tensors")
+    def set_state_rows(self, rows) -> None:
+        """The state address rows (``ADDR_M``, ``ADDR_V``, ``ADDR_M_SCALE``, ``ADDR_V_SCALE``; 4 lists of one int per
+        tensor, in plan order) as given: the address of element 0 (block 0 for the scale rows) of each tensor's state,
+        which a launch over a range of programs (:meth:`launch`'s ``programs``) only dereferences for that range's
+        elements. State offload stages a range's state in a device buffer and passes addresses shifted to match.
+        Copied only when they changed; the M and V rows must be 16-byte aligned where the tensors are whole blocks."""
+        rows = [list(map(int, r)) for r in rows]
+        if len(rows) != 4 or any(len(r) != self.num_tensors for r in rows):
+            raise ValueError(f"set_state_rows: need 4 rows of {self.num_tensors} addresses")
+        if rows == self._state_ptrs:
+            return
+        self._state_ptrs = rows
+        table = np.array(rows, dtype=np.int64)
+        self.static_aligned = self._params_aligned and not (table[:2] & 15).any()
+        _copy_from_host_(self.addr[ADDR_M : ADDR_V_SCALE + 1], torch.from_numpy(table))
+
+    def set_state_bases(self, bases) -> None:
+        """:meth:`set_state_rows` from one dict per tensor (plan order) of state key -> address of its element 0
+        (block 0 for a scale); a tensor whose dict is empty keeps address 0 (a launch must not reach it)."""
         rows = STATE_ROW[self.fmt]
-        table = np.zeros((4, self.num_tensors), dtype=np.int64)
+        table = [[0] * self.num_tensors for _ in range(4)]
         for i, b in enumerate(bases):
             for key, address in b.items():
-                table[rows[key], i] = address
-        device = torch.empty((4, self.num_tensors), dtype=torch.int64, device=self.device)
-        _copy_from_host_(device, torch.from_numpy(table))
-        return StateTable(device, not (table[:2] & 15).any())
+                table[rows[key]][i] = address
+        self.set_state_rows(table)
 
     def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
         """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""
@@ -288,20 +289,10 @@ class LaunchPlan:
         _copy_from_host_(self.tstep, torch.from_numpy(packed))
 
     def launch(
-        self,
-        *,
-        step,
-        scalars,
-        maximize,
-        stochastic_param,
-        per_tensor_step=False,
-        grad_scale=None,
-        programs=None,
-        state_table=None,
+        self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False, grad_scale=None, programs=None
     ) -> None:
         """One launch over all tensors, or over the work items (chunks of ``rows * 256`` elements, numbered through
-        the tensors in plan order: :attr:`chunk_starts`) ``programs = (first, end)``; the same bits either way.
-        ``state_table``: a :meth:`state_table` to take the state addresses from instead of the plan's own. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
+        the tensors in plan order: :attr:`chunk_starts`) ``programs = (first, end)``; the same bits either way. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
         :meth:`set_tensor_steps`. ``grad_scale``: an fp32 tensor of one element on the plan's device; the kernel
         then multiplies each gradient by it first, exactly as ``g.mul_(grad_scale.to(g.dtype))`` would (gradient
@@ -324,9 +315,7 @@ class LaunchPlan:
         if end == first:
             return
         with device_guard(self.device):
-            self._launch(
-                step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, first, end, state_table
-            )
+            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, first, end)
 
     def _cap(self, constexprs: tuple) -> int | None:
         """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""
@@ -336,19 +325,12 @@ class LaunchPlan:
         stochastic = stochastic and self.param_dtype != torch.float32  # fp32 parameters are never rounded
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
-    def _launch(
-        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, first, end, state_table
-    ) -> None:
+    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, first, end) -> None:
         s = scalars
-        if state_table is None:
-            states, aligned = self.addr[ADDR_M:], self.static_aligned
-        else:
-            states, aligned = state_table.table, self._params_aligned and state_table.aligned
         args = (
             self.cstart,
             self.gfirst,
             self.addr,
-            states,
             self.numel,
             self.tkey,
             self.tstep,
@@ -373,7 +355,7 @@ class LaunchPlan:
             bool(maximize),
             bool(stochastic_param),
             bool(per_tensor_step),
-            aligned and self.grads_aligned,
+            self.static_aligned and self.grads_aligned,
             self.even,
             self.rows,
             grad_scale is not None,
