@@ -16,7 +16,7 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
-from .offload import StateOffload, to_host
+from .offload import STEP_CHUNK, StateOffload, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -496,8 +496,21 @@ class ApexW(torch.optim.Optimizer):
                 "optimizer was built); turn state_offload off under FSDP2"
             )
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
-        stager = self._offload.stager(group, key)
-        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, stager=stager)
+        offload = self._offload
+        index, staged = offload.stage(group, params, key)  # creates the host state of new parameters
+        bucket = key if bucket is None else bucket  # step()'s chunks: one launch plan each
+        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, states=staged)
+        offload.done(index, params, staged)
+
+    def _step_chunks(self, group: dict, params: list, grads: list) -> None:
+        """``step()`` of a param group with ``state_offload``: launches of at most ``STEP_CHUNK`` elements (a larger
+        tensor alone), each staged as a gradient-release bucket is."""
+        start, count = 0, 0
+        for i, p in enumerate(params):
+            count += p.numel()
+            if count >= STEP_CHUNK or i == len(params) - 1:
+                self._step_params(group, params[start : i + 1], grads[start : i + 1])
+                start, count = i + 1, 0
 
     def _spans_devices(self, group: dict) -> bool:
         """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
@@ -539,7 +552,10 @@ class ApexW(torch.optim.Optimizer):
                 grads = [g for g in grads if g is not None]
             if not params:
                 continue
-            self._step_params(group, params, grads)
+            if self._offload is not None:
+                self._step_chunks(group, params, grads)
+            else:
+                self._step_params(group, params, grads)
         if self._offload is not None:
             self._offload.end_step()
         return loss

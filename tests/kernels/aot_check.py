@@ -28,7 +28,6 @@ SIGNATURE = {
     "tstep_ptr": "*i32",
     "num_work": "i32",
     "num_tensors": "i32",
-    "first_program": "i32",
     "mixed_step": "i32",
     **{
         k: "fp32"

@@ -8,6 +8,7 @@ import torch
 
 from apexw_hf.accounting import optimizer_state_placement
 from apexw_hf.optim import ApexW
+from apexw_hf.optim import base as base_mod
 from apexw_hf.optim import offload as offload_mod
 
 from ..optim.test_gradient_release import groups, make, train, train_from
@@ -21,17 +22,10 @@ def _opt(model, fmt, offload, release, clip=None, bucket=300):
     return ApexW(groups(model), lr=2e-2, state_format=fmt, engine="triton", state_offload=offload, **kw)
 
 
-PIECE = 1500  # bytes of state per launch in these tests: most tensors of the tiny model are cut into pieces
-
-
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Launches of at most PIECE bytes of state under offload: several pieces per tensor of the tiny model."""
-    monkeypatch.setattr(offload_mod, "PIECE_BYTES", PIECE)
-
-
-def _pieces(off):
-    return [piece for piece, _ in off._order]
+    """step() launches of at most 300 elements under offload: several chunks per param group on the tiny model."""
+    monkeypatch.setattr(base_mod, "STEP_CHUNK", 300)
 
 
 def _same(a, b, oa, ob):
@@ -55,11 +49,8 @@ def test_offloaded_state_gives_the_same_bits(fmt, mode, small_chunks):
     train(b, ob, 4)
     _same(a, b, oa, ob)
     off = ob._offload
-    # more launches per step than device buffers, so buffers were reused and later launches were prefetched; some
-    # tensor's state went through in several pieces
+    # more launches per step than device buffers, so buffers were reused and later launches were prefetched
     assert len(off._order) > len(off.slots) + 2
-    cut = [id(p) for piece in _pieces(off) for p in piece.params]
-    assert len(cut) > len(set(cut))
     assert off.hits > 0 and off.misses >= len(off._order)
     # every state tensor lives in host memory; the device holds the buffers only
     for entry in ob.state.values():
@@ -82,12 +73,10 @@ def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_ch
         train(model, opt, 3)
         assert off.misses == first  # later steps: every launch found its state on the device
         assert off.hits == 3 * len(off._order)
-        # the device holds `slots` buffers, each the size of the largest piece, which is at most PIECE bytes (one
-        # work item of 256 elements takes 4 x 256 bytes of 8-bit state with alignment) though whole tensors hold more
-        largest = max(piece.size for piece in _pieces(off))
-        assert off.device_bytes() == len(off.slots) * largest
-        assert largest <= PIECE
-        assert max(sum(s[k].numel() * s[k].element_size() for k in s if k != "step") for s in opt.state.values()) > PIECE
+        # the device holds `slots` buffers, each the size of the largest launch's state
+        largest = max(sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for p in params
+                          for k in opt.state[p] if k != "step") for _, params in off._order)
+        assert off.device_bytes() <= len(off.slots) * (largest + 256 * 12)
 
 
 def test_a_changed_order_falls_back_to_copies_and_keeps_the_bits(small_chunks):

@@ -149,7 +149,7 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
     return lo, pid - tl.load(cstart_ptr + lo)
 
 
-@triton.jit(do_not_specialize=["num_work", "num_tensors", "first_program", "mixed_step"])
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step"])
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
@@ -159,7 +159,6 @@ def _adamw_kernel(
     tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
     num_work,
     num_tensors,
-    first_program,  # this launch's program k computes work item first_program + k (a launch may cover a range)
     mixed_step,  # mix32(step), the step's part of the random keys, mixed on the host (unused with PER_TENSOR_STEP)
     step_size,
     inv_bc2_sqrt,
@@ -181,7 +180,7 @@ def _adamw_kernel(
     ROWS: tl.constexpr,
     GRAD_SCALE: tl.constexpr,
 ):
-    pid = tl.program_id(0) + first_program
+    pid = tl.program_id(0)
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
     g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)
     if g_addr != 0:
