@@ -101,8 +101,9 @@ def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr, WORDS: tl.constexpr, ALIGNED
 
 
 @triton.jit
-def _store_f32_runs(ptr, x, rows, rest):
-    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) as two [R, 32, 4] halves.
+def _store_f32_runs(ptr, x, rows, rest, keep):
+    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) where ``keep`` ([R], the non-finite gradient
+    check) as two [R, 32, 4] halves.
 
     Each thread holds 8 consecutive elements of the tile, and a store of 8 fp32 per thread is given a layout of 4
     consecutive elements per thread (16 bytes, the widest access), reached through 8 shuffles per thread and their
@@ -111,7 +112,7 @@ def _store_f32_runs(ptr, x, rows, rest):
     R: tl.constexpr = x.shape[0]
     lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 32, 2, 4)), (0, 1, 3, 2)))
     offs = rows[:, None, None] * QBLOCK + tl.arange(0, 32)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
-    mask = tl.broadcast_to(rows[:, None, None] * QBLOCK < rest, (R, 32, 4))
+    mask = tl.broadcast_to((rows[:, None, None] * QBLOCK < rest) & keep[:, None, None], (R, 32, 4))
     tl.store(ptr + offs, lo, mask=mask)
     tl.store(ptr + offs + 4, hi, mask=mask)
 
@@ -149,7 +150,18 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
     return lo, pid - tl.load(cstart_ptr + lo)
 
 
-@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step"])
+@triton.jit
+def _count_skipped(nf_ptr, tidx_ptr, t, serial, nbad):
+    """Count ``nbad`` skipped blocks of tensor ``t``: ``nf[2 + tensor index] += nbad``; and the step ``serial`` once
+    per step in ``nf[1]``, whichever program and launch of the step comes first (``nf[0]`` holds the serial of the
+    last step that skipped something, swapped atomically). Programs without a non-finite gradient do nothing."""
+    if nbad > 0:
+        tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t), nbad)
+        last = tl.atomic_xchg(nf_ptr, serial)
+        tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step", "serial"])
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
@@ -169,6 +181,9 @@ def _adamw_kernel(
     decay,
     eps,
     gscale_ptr,  # fp32 [1]: the factor the gradients are multiplied by first (GRAD_SCALE)
+    nf_ptr,  # int32 [2 + tensors]: the optimizer's non-finite counters on this device (see _count_skipped)
+    tidx_ptr,  # int32 [num_tensors]: each tensor's index in the optimizer (its counter is nf[2 + index])
+    serial,  # the optimizer's step number, for the count of steps that skipped something
     FMT: tl.constexpr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -179,6 +194,7 @@ def _adamw_kernel(
     EVEN: tl.constexpr,
     ROWS: tl.constexpr,
     GRAD_SCALE: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
@@ -228,12 +244,22 @@ def _adamw_kernel(
             g = _scaled(g, tl.load(gscale_ptr), G_DTYPE)
         if MAXIMIZE:
             g = -g
+        if SKIP_NONFINITE:
+            # reference.nonfinite_blocks: a row of the tile (256 elements) with a NaN or infinite gradient is not
+            # written (its parameter, moments and scales keep their values): the masks of every store below lose it.
+            # The masks stay constant along a row, so loads and stores stay vector instructions.
+            ok_row = tl.min((tl.abs(g) < float("inf")).to(tl.int32), axis=1)  # [ROWS]: 0 for NaN and +-inf
+            mask = mask & (ok_row[:, None] != 0)
+            w2mask = w2mask & (ok_row[:, None] != 0)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
         p = _load_f32(p_ptr, offs, mask, P_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if FMT == "4bit":
             # One scale per 128 elements and moment: blocks 2 * row and 2 * row + 1 of the chunk.
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
+            if SKIP_NONFINITE:
+                bmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 2: the v scales are fp32
@@ -253,6 +279,8 @@ def _adamw_kernel(
                 m, v = dequant_mv4(tl.load(mv_ptr + offs, mask=mask, other=0), msc, vsc)
         elif FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
+            if SKIP_NONFINITE:
+                bmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
@@ -319,7 +347,10 @@ def _adamw_kernel(
         if P_DTYPE == tl.float32:
             if FMT == "4bit" and EVEN:
                 # 33 fewer instructions per program (sm_90); the other formats keep the store their GPU timings used
-                _store_f32_runs(p_ptr, p, rows, rest)
+                if SKIP_NONFINITE:
+                    _store_f32_runs(p_ptr, p, rows, rest, ok_row != 0)
+                else:
+                    _store_f32_runs(p_ptr, p, rows, rest, rows >= 0)
             else:
                 tl.store(p_ptr + offs, p, mask=mask)
         elif P_DTYPE == tl.bfloat16:
