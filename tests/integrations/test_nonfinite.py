@@ -82,8 +82,8 @@ def test_poisoned_batch_plain_loop(fmt, release, device):
     assert opt.nonfinite_skipped == 1
     assert len(caught) == 1 and "parameter 'model.embed_tokens.weight'" in caught[0], caught
     for step, (got, want) in enumerate(zip(losses, skipped)):
-        if step <= POISON:
-            assert got == want, step  # the same run up to the poisoned step
+        if step <= POISON and device == "cpu":
+            assert got == want, step  # the same run up to the poisoned step (CUDA's backward is not deterministic)
         else:
             assert math.isclose(got, want, rel_tol=RTOL), (step, got, want)
 
@@ -153,15 +153,17 @@ def _losses(trainer) -> list[float]:
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("release", [False, True], ids=["step", "release"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_poisoned_batch_trainer(tmp_path, fmt, release):
+def test_poisoned_batch_trainer(tmp_path, fmt, release, device):
     optim = f"apexw_{fmt}" + ("_release" if release else "")
-    poisoned = _trainer(tmp_path / "p", optim, poison=4)
+    on_gpu = {} if device == "cpu" else dict(use_cpu=False, optim_args=None)  # the Triton kernels
+    poisoned = _trainer(tmp_path / "p", optim, poison=4, **on_gpu)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         poisoned.train()
-    oracle = _trainer(tmp_path / "o", optim, skip=4)
+    oracle = _trainer(tmp_path / "o", optim, skip=4, **on_gpu)
     oracle.train()
     opt = poisoned.optimizer.optimizer if hasattr(poisoned.optimizer, "optimizer") else poisoned.optimizer
     _assert_finite(opt, poisoned.model)
