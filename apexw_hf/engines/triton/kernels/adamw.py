@@ -155,10 +155,10 @@ def _count_skipped(nf_ptr, tidx_ptr, t, serial, nbad):
     """Count ``nbad`` skipped blocks of tensor ``t``: ``nf[2 + tensor index] += nbad``; and the step ``serial`` once
     per step in ``nf[1]``, whichever program and launch of the step comes first (``nf[0]`` holds the serial of the
     last step that skipped something, swapped atomically). Programs without a non-finite gradient do nothing."""
-    if nbad > 0:
-        tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t), nbad)
-        last = tl.atomic_xchg(nf_ptr, serial)
-        tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32))
+    if nbad > 0:  # counts only: no ordering with other memory operations is needed
+        tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t), nbad, sem="relaxed")
+        last = tl.atomic_xchg(nf_ptr, serial, sem="relaxed")
+        tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step", "serial"])
@@ -247,19 +247,23 @@ def _adamw_kernel(
         if SKIP_NONFINITE:
             # reference.nonfinite_blocks: a row of the tile (256 elements) with a NaN or infinite gradient is not
             # written (its parameter, moments and scales keep their values): the masks of every store below lose it.
-            # The masks stay constant along a row, so loads and stores stay vector instructions.
+            # Loads keep their masks, so they do not wait for this reduction; the store masks stay constant along a
+            # row, so stores stay vector instructions.
             ok_row = tl.min((tl.abs(g) < float("inf")).to(tl.int32), axis=1)  # [ROWS]: 0 for NaN and +-inf
-            mask = mask & (ok_row[:, None] != 0)
-            w2mask = w2mask & (ok_row[:, None] != 0)
-            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
+            smask = mask & (ok_row[:, None] != 0)
+            w2smask = w2mask & (ok_row[:, None] != 0)
+        else:
+            smask = mask
+            w2smask = w2mask
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
         p = _load_f32(p_ptr, offs, mask, P_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if FMT == "4bit":
             # One scale per 128 elements and moment: blocks 2 * row and 2 * row + 1 of the chunk.
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
+            sbmask = bmask  # the blocks whose scales are stored
             if SKIP_NONFINITE:
-                bmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
+                sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 2: the v scales are fp32
@@ -279,8 +283,9 @@ def _adamw_kernel(
                 m, v = dequant_mv4(tl.load(mv_ptr + offs, mask=mask, other=0), msc, vsc)
         elif FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
+            sbmask = bmask  # the blocks whose scales are stored
             if SKIP_NONFINITE:
-                bmask = bmask & (ok_row != 0)
+                sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
             ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
@@ -317,30 +322,30 @@ def _adamw_kernel(
         # The moments are stored first: they are final here, and nothing computed for them (predicates included) then
         # stays live across the branches of the IEEE square root and division below.
         if FMT == "fp32":
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
+            tl.store(m_ptr + offs, m, mask=smask)
+            tl.store(v_ptr + offs, v, mask=smask)
         else:
             # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9 v,
             # bits 10-15 m, and the top 16 a bf16 parameter; 4bit: bits 0-5 m, bits 6-21 v, the top 16 a parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
-                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
-                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=mask)
+                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=smask)
+                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=smask)
             elif FMT == "4bit":
                 one = bmask.to(tl.uint32)[:, None]  # [2 * ROWS, 1], see quant_m
                 cmv, sm, sv = quant_mv4(m, v, mask, bits_mv, one, EVEN)
-                tl.store(mv_ptr + offs, cmv, mask=mask)
-                tl.store(ms_ptr + srows, sm, mask=bmask)
-                tl.store(vs_ptr + srows, sv, mask=bmask)
+                tl.store(mv_ptr + offs, cmv, mask=smask)
+                tl.store(ms_ptr + srows, sm, mask=sbmask)
+                tl.store(vs_ptr + srows, sv, mask=sbmask)
             else:
                 # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
                 one = bmask.to(tl.uint32)[:, None]
                 cm, sm = quant_m(m, mask, bits_mv, one)
                 cv, sv = quant_v(v, mask, bits_mv, one)
-                tl.store(mc_ptr + offs, cm, mask=mask)
-                tl.store(vc_ptr + offs, cv, mask=mask)
-                tl.store(ms_ptr + rows, sm, mask=bmask)
-                tl.store(vs_ptr + rows, sv, mask=bmask)
+                tl.store(mc_ptr + offs, cm, mask=smask)
+                tl.store(vc_ptr + offs, cv, mask=smask)
+                tl.store(ms_ptr + rows, sm, mask=sbmask)
+                tl.store(vs_ptr + rows, sv, mask=sbmask)
 
         denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
         p = p * decay - tl.math.div_rn(m, denom) * step_size
@@ -352,7 +357,7 @@ def _adamw_kernel(
                 else:
                     _store_f32_runs(p_ptr, p, rows, rest, rows >= 0)
             else:
-                tl.store(p_ptr + offs, p, mask=mask)
+                tl.store(p_ptr + offs, p, mask=smask)
         elif P_DTYPE == tl.bfloat16:
             if STOCHASTIC_PARAM and (FMT == "8bit" or FMT == "4bit"):
                 bits_p = bits_mv
@@ -363,17 +368,20 @@ def _adamw_kernel(
                     pw = pack_bf16_hi(f32_to_bf16_hi_stochastic(p, bits_p))
                 else:
                     pw = pack_bf16_hi(f32_to_bf16_hi_nearest(p))
-                tl.store(_words(p_ptr, ALIGNED) + w2offs, pw, mask=w2mask)
+                tl.store(_words(p_ptr, ALIGNED) + w2offs, pw, mask=w2smask)
             else:
                 if STOCHASTIC_PARAM:
                     pb = f32_to_bf16_bits_stochastic(p, bits_p)
                 else:
                     pb = f32_to_bf16_bits_nearest(p)
-                tl.store(p_ptr + offs, pb, mask=mask)
+                tl.store(p_ptr + offs, pb, mask=smask)
         else:
             if STOCHASTIC_PARAM:
                 bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
                 ph = f32_to_f16_stochastic(p, bits_p)
             else:
                 ph = p.to(tl.float16)
-            tl.store(p_ptr + offs, ph, mask=mask)
+            tl.store(p_ptr + offs, ph, mask=smask)
+        if SKIP_NONFINITE:
+            # last: its branch and atomics then order nothing before them (loads would otherwise wait for it)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
