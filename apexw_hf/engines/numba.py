@@ -25,6 +25,8 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   ``v``) and 16-31 a bf16 parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
+A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
+256-element block, ``reference.nonfinite_blocks``) is flagged in ``skip`` and not written; the host counts the flags.
 A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
 ``reference._blocks``. Compiled on first use and cached on disk (``cache=True``), one signature per kernel.
 """

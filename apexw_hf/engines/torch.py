@@ -42,6 +42,10 @@ for a CPU:
   ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 8-bit and 4-bit chunks
   with a block scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
+* Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose gradient holds a NaN or an
+  infinity keeps its parameter, moments and scales): one sum of the gathered gradient, in cache, tells whether a chunk
+  has any; only then are the parameter and state elements of its bad blocks copied before the update and written back
+  after it (the update itself runs as always, its NaN paths above included). The numba loop skips such blocks itself.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk

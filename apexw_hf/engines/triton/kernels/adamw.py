@@ -17,6 +17,10 @@ Random bits for stochastic rounding come from the counter-based hash of (seed, t
 computed in the kernel from a per-tensor key and ``mix32(step)`` (mixed on the host), so nothing but that number
 changes from step to step.
 
+A row of the tile whose gradient holds a NaN or an infinity is not written at all (``reference.nonfinite_blocks``,
+``SKIP_NONFINITE``): a reduction of the row's loaded gradient masks the stores (not the loads, which do not wait for
+it), and the program adds the rows it skipped to the optimizer's counters last (:func:`_count_skipped`).
+
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
 ``"8bit"`` uint8 minifloat codes (format version 2) with one bf16 scale per 256 elements; ``"4bit"`` both moments'
 4-bit codes in one byte per element (``exp_avg_mv``), one bf16 scale per 128 elements and moment. bf16/fp16
