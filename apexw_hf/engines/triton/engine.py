@@ -331,8 +331,10 @@ class TritonEngine:
             for plan, slots, _ in cache.plans:
                 plan.set_state_ptrs(staged if len(cache.plans) == 1 else [staged[i] for i in slots])
         grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
+        guard = getattr(self.optimizer, "_nonfinite", None)  # its counters of skipped non-finite gradients
         for plan, _, _ in cache.plans:
             plan.launch(
+                nonfinite=None if guard is None else (guard.counts(plan.device), guard.serial),
                 step=lo,
                 scalars=scalars,
                 maximize=group["maximize"],

@@ -33,7 +33,7 @@ QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit
 BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The kernel's parameters after its 18 runtime arguments, in signature order: LaunchPlan.launch passes them
+# The kernel's parameters after its 21 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
 _CONSTEXPR_NAMES = (
     "FMT",
@@ -46,8 +46,9 @@ _CONSTEXPR_NAMES = (
     "EVEN",
     "ROWS",
     "GRAD_SCALE",
+    "SKIP_NONFINITE",
 )
-if tuple(_adamw_kernel.arg_names[18:]) != _CONSTEXPR_NAMES:
+if tuple(_adamw_kernel.arg_names[21:]) != _CONSTEXPR_NAMES:
     raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
 
 _TL_DTYPES = {
@@ -70,6 +71,11 @@ LAUNCH_CONFIG = {
     "8bit": {4: (1, 1), 2: (1, 1)},
     "4bit": {4: (1, 1), 2: (1, 1)},
 }
+
+# Whether the kernel leaves blocks with a non-finite gradient un-updated (reference.nonfinite_blocks). Always on for
+# training: the one switch is for benchmarks/bench_step.py --nonfinite-check off, which times what the check costs
+# (the update is then not the reference's on non-finite gradients, and nothing is counted).
+CHECK_NONFINITE = True
 
 MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (LaunchPlan's maxnreg)
 
@@ -218,6 +224,9 @@ class LaunchPlan:
         self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)
         self.numel = torch.tensor(numel, dtype=torch.int64).to(dev)
         self.tkey = torch.tensor(tkey, dtype=torch.int32).to(dev)
+        # each tensor's index in the optimizer: its non-finite counter (LaunchPlan.launch's nonfinite)
+        self.tidx = torch.tensor(list(tensor_indices), dtype=torch.int32).to(dev)
+        self._own_counts: torch.Tensor | None = None  # counters of launches given none (adamw_step_, tests, tools)
         self.cstart = torch.from_numpy(cstart.astype(np.int32)).to(dev)
         self.gfirst = torch.from_numpy(np.minimum(gfirst, n - 1).astype(np.int32)).to(dev)
         self.num_work = total
@@ -261,12 +270,18 @@ class LaunchPlan:
         )
         _copy_from_host_(self.tstep, torch.from_numpy(packed))
 
-    def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False, grad_scale=None) -> None:
+    def launch(
+        self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False, grad_scale=None, nonfinite=None
+    ) -> None:
         """One launch over all tensors. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
         :meth:`set_tensor_steps`. ``grad_scale``: an fp32 tensor of one element on the plan's device; the kernel
         then multiplies each gradient by it first, exactly as ``g.mul_(grad_scale.to(g.dtype))`` would (gradient
-        release's clip, without a pass of its own over the gradients).
+        release's clip, without a pass of its own over the gradients). ``nonfinite``: ``(counts, serial)``, the
+        optimizer's int32 counters on the plan's device (``2 +`` its tensor count elements,
+        :mod:`apexw_hf.optim.nonfinite`) and its step number: a block of 256 elements whose gradient is not finite
+        is not written (``reference.nonfinite_blocks``) and is counted there; None counts into a buffer of the plan's
+        own (:meth:`own_counts`).
 
         The first launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
         ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
@@ -282,18 +297,26 @@ class LaunchPlan:
         if self.num_work == 0:
             return
         with device_guard(self.device):
-            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale)
+            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite)
+
+    def own_counts(self) -> torch.Tensor:
+        """The non-finite counters of launches given none (the layout of :mod:`apexw_hf.optim.nonfinite`)."""
+        if self._own_counts is None:
+            size = 3 + int(self.tidx.max()) if self.num_tensors else 2
+            self._own_counts = torch.zeros(size, dtype=torch.int32, device=self.device)
+        return self._own_counts
 
     def _cap(self, constexprs: tuple) -> int | None:
         """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""
         if not self._auto_caps:
             return None if self.maxnreg == "auto" else self.maxnreg
-        _, _, _, _, stochastic, per_tensor_step, _, even, _, _ = constexprs
+        stochastic, per_tensor_step, even = constexprs[4], constexprs[5], constexprs[7]
         stochastic = stochastic and self.param_dtype != torch.float32  # fp32 parameters are never rounded
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
-    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale) -> None:
+    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite) -> None:
         s = scalars
+        counts, serial = (self.own_counts(), 1) if nonfinite is None else nonfinite
         args = (
             self.cstart,
             self.gfirst,
@@ -313,6 +336,9 @@ class LaunchPlan:
             s.decay,
             s.eps,
             self.tstep if grad_scale is None else grad_scale,  # any pointer where unused
+            counts,
+            self.tidx,
+            int(serial) & 0x7FFFFFFF,
         )
         constexprs = (
             self.fmt,
@@ -325,6 +351,7 @@ class LaunchPlan:
             self.even,
             self.rows,
             grad_scale is not None,
+            CHECK_NONFINITE,
         )
         compiled = self._compiled.get(constexprs)
         if compiled is not None:
@@ -357,11 +384,12 @@ def adamw_step_(
     num_warps=None,
     maxnreg="auto",
     grad_scale=None,
+    nonfinite=None,
 ) -> None:
     """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
 
     The same contract as :func:`apexw_hf.reference.adamw_step_ref_` applied to each tensor; for tests and tools.
-    ``grad_scale``: see :meth:`LaunchPlan.launch`.
+    ``grad_scale``, ``nonfinite``: see :meth:`LaunchPlan.launch`.
     """
     plan = LaunchPlan(
         params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps, maxnreg=maxnreg
@@ -376,4 +404,5 @@ def adamw_step_(
         maximize=maximize,
         stochastic_param=param_rounding == "stochastic",
         grad_scale=grad_scale,
+        nonfinite=nonfinite,
     )
