@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from apexw_hf.provenance import describe_source  # noqa: E402
 
 THRESHOLDS = (4, 8, 12, 14, 16, 18, 20, 24)  # log2 of the skew: 14 and 18 are the 4-bit and 8-bit code floors
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
@@ -110,12 +111,7 @@ def main(argv=None) -> list[dict]:
         )
         trainer.train()
     n_params = sum(p.numel() for p in model.parameters())
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    ).stdout.strip()
+    commit = describe_source()
     cmd = "python scripts/block_skew.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, {time.time() - t0:.0f} s; "

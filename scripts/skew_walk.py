@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apexw_hf import reference as ref  # noqa: E402
 from apexw_hf.optim import state as st  # noqa: E402
+from apexw_hf.provenance import describe_source  # noqa: E402
 
 BETA2S = (0.99, 0.999, 0.9995, 0.9999)
 AFTER = {0.99: 1000, 0.999: 3000, 0.9995: 4000, 0.9999: 6000}  # steps after the burst
@@ -189,12 +189,7 @@ def main(argv=None) -> list[dict]:
     rows = run(
         formats, beta2s, log2_ratios, scenarios, args.blocks, args.block, args.burst, args.steps_scale, args.seed
     )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-    ).stdout.strip()
+    commit = describe_source()
     cmd = "python scripts/skew_walk.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, "
