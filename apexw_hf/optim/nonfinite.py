@@ -146,9 +146,7 @@ class NonfiniteGuard:
     def _warn(self, first: int | None, steps: int, blocks: int, names=None) -> None:
         if not steps and not blocks:
             return
-        names = names if names is not None else self.names
-        if callable(names):
-            names = names()
+        names = names if names is not None else self.names  # (_name calls it where it is a function)
         warnings.warn(
             f"ApexW: a non-finite gradient (NaN or inf) in {self._name(first, names)}: {blocks} block(s) of 256 "
             f"elements were not updated in {steps} step(s) (parameters, moments and scales keep their values; "
