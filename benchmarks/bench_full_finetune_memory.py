@@ -408,6 +408,10 @@ TIMED_CALLS = (
     "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
     "apexw_hf.engines.triton.kernels.launch:LaunchPlan.set_grad_ptrs",
     "apexw_hf.engines.triton.kernels.launch:LaunchPlan.launch",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.state_table",
+    "apexw_hf.optim.offload:StateOffload._stage",
+    "apexw_hf.optim.offload:StateOffload._done",
+    "apexw_hf.optim.offload:StateOffload._copy_in",
 )
 
 

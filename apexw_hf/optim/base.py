@@ -18,7 +18,7 @@ from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
-from .offload import STEP_CHUNK, StateOffload, to_host
+from .offload import StateOffload, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -508,21 +508,8 @@ class ApexW(torch.optim.Optimizer):
                 "optimizer was built); turn state_offload off under FSDP2"
             )
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
-        offload = self._offload
-        index, staged = offload.stage(group, params, key)  # creates the host state of new parameters
-        bucket = key if bucket is None else bucket  # step()'s chunks: one launch plan each
-        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, states=staged)
-        offload.done(index, params, staged)
-
-    def _step_chunks(self, group: dict, params: list, grads: list) -> None:
-        """``step()`` of a param group with ``state_offload``: launches of at most ``STEP_CHUNK`` elements (a larger
-        tensor alone), each staged as a gradient-release bucket is."""
-        start, count = 0, 0
-        for i, p in enumerate(params):
-            count += p.numel()
-            if count >= STEP_CHUNK or i == len(params) - 1:
-                self._step_params(group, params[start : i + 1], grads[start : i + 1])
-                start, count = i + 1, 0
+        stager = self._offload.stager(group, key)
+        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, stager=stager)
 
     def _spans_devices(self, group: dict) -> bool:
         """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
@@ -565,10 +552,7 @@ class ApexW(torch.optim.Optimizer):
                 grads = [g for g in grads if g is not None]
             if not params:
                 continue
-            if self._offload is not None:
-                self._step_chunks(group, params, grads)
-            else:
-                self._step_params(group, params, grads)
+            self._step_params(group, params, grads)
         if self._offload is not None:
             self._offload.end_step()
         self._nonfinite.end_step()

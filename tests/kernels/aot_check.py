@@ -23,11 +23,13 @@ SIGNATURE = {
     "cstart_ptr": "*i32",
     "gfirst_ptr": "*i32",
     "addr_ptr": "*i64",
+    "state_ptr": "*i64",
     "numel_ptr": "*i64",
     "tkey_ptr": "*i32",
     "tstep_ptr": "*i32",
     "num_work": "i32",
     "num_tensors": "i32",
+    "first_program": "i32",
     "mixed_step": "i32",
     **{
         k: "fp32"

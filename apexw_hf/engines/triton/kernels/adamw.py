@@ -165,16 +165,18 @@ def _count_skipped(nf_ptr, tidx_ptr, t, serial, nbad):
         tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32), sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step", "serial"])
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "first_program", "mixed_step", "serial"])
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
-    addr_ptr,  # int64 [6, num_tensors]: see ADDR_*
+    addr_ptr,  # int64 [6, num_tensors]: see ADDR_* (the kernel reads the parameter and gradient rows)
+    state_ptr,  # int64 [4, num_tensors]: the state rows ADDR_M .. ADDR_V_SCALE (of addr_ptr's table, or another's)
     numel_ptr,  # int64 [num_tensors]
     tkey_ptr,  # int32 [num_tensors]: mix32(seed + GOLDEN * (tensor_index + 1))
     tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
     num_work,
     num_tensors,
+    first_program,  # this launch's program k computes work item first_program + k (a launch may cover a range)
     mixed_step,  # mix32(step), the step's part of the random keys, mixed on the host (unused with PER_TENSOR_STEP)
     step_size,
     inv_bc2_sqrt,
@@ -200,7 +202,7 @@ def _adamw_kernel(
     GRAD_SCALE: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) + first_program
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
     g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)
     if g_addr != 0:
@@ -239,9 +241,9 @@ def _adamw_kernel(
             idx_golden = (start.to(tl.uint32) + offs.to(tl.uint32)) * GOLDEN
 
         p_addr = tl.load(addr_ptr + ADDR_PARAM * num_tensors + t)
-        m_addr = tl.load(addr_ptr + ADDR_M * num_tensors + t)
+        m_addr = tl.load(state_ptr + (ADDR_M - ADDR_M) * num_tensors + t)
         if FMT != "4bit":
-            v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
+            v_addr = tl.load(state_ptr + (ADDR_V - ADDR_M) * num_tensors + t)
 
         g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if GRAD_SCALE:
@@ -269,9 +271,9 @@ def _adamw_kernel(
             if SKIP_NONFINITE:
                 sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
-            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 2: the v scales are fp32
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
+            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             msc = tl.load(ms_ptr + srows, mask=bmask, other=0)
             vsc = tl.load(vs_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             # Both moments' codes in one byte per element: one byte load and one byte store per element.
@@ -291,8 +293,8 @@ def _adamw_kernel(
             if SKIP_NONFINITE:
                 sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
-            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
