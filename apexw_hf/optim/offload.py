@@ -41,7 +41,11 @@ import torch
 from . import state as st
 
 DEFAULT_SLOTS = 3
-PIECE_BYTES = 2**28  # bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least)
+# Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds
+# ``DEFAULT_SLOTS`` buffers of about this size, and ``DEFAULT_SLOTS - 1`` of them are how far the copies run ahead of
+# the launches: smaller pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State
+# offload", has the measured trade-off).
+PIECE_BYTES = 160 * 2**20
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 
 
