@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +63,8 @@ def make_model(lora: bool = True, seed: int = 0, modules_to_save: list[str] | No
 def token_dataset(n: int = 32, seed: int = 0):
     """Pre-tokenized rows (input_ids, attention_mask, labels) following a learnable pattern. Skips the calling test
     where ``datasets`` is not installed (a GPU host's image may lack it; the project's dev install has it)."""
+    import pytest
+
     Dataset = pytest.importorskip("datasets").Dataset
 
     g = torch.Generator().manual_seed(seed)
