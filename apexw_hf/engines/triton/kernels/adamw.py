@@ -155,17 +155,14 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
 
 
 @triton.jit
-def _count_skipped(nf_ptr, tidx_ptr, t, serial, ok_row):
-    """Count the skipped blocks of tensor ``t`` (the rows whose ``ok_row`` is 0): ``nf[2 + tensor index]`` gains one per
-    row; and the step ``serial`` once per step in ``nf[1]``, whichever row, program and launch of the step comes first
-    (``nf[0]`` holds the serial of the last step that skipped something, swapped atomically). Each row's atomics are
-    masked by its own flag: no reduction across the tile's warps, so programs without a non-finite gradient wait for
-    nothing and do nothing."""
-    bad = ok_row == 0  # counts only: no ordering with other memory operations is needed
-    at = tl.zeros_like(ok_row)
-    tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t) + at, at + 1, mask=bad, sem="relaxed")
-    last = tl.atomic_xchg(nf_ptr + at, at + serial, mask=bad, sem="relaxed")
-    tl.atomic_add(nf_ptr + 1 + at, (last != serial).to(tl.int32), mask=bad, sem="relaxed")
+def _count_skipped(nf_ptr, tidx_ptr, t, serial, nbad):
+    """Count ``nbad`` skipped blocks of tensor ``t``: ``nf[2 + tensor index] += nbad``; and the step ``serial`` once
+    per step in ``nf[1]``, whichever program and launch of the step comes first (``nf[0]`` holds the serial of the
+    last step that skipped something, swapped atomically). Programs without a non-finite gradient do nothing."""
+    if nbad > 0:  # counts only: no ordering with other memory operations is needed
+        tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t), nbad, sem="relaxed")
+        last = tl.atomic_xchg(nf_ptr, serial, sem="relaxed")
+        tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32), sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["num_work", "num_tensors", "first_program", "mixed_step", "serial"])
@@ -393,4 +390,4 @@ def _adamw_kernel(
             tl.store(p_ptr + offs, ph, mask=smask)
         if SKIP_NONFINITE:
             # last: its branch and atomics then order nothing before them (loads would otherwise wait for it)
-            _count_skipped(nf_ptr, tidx_ptr, t, serial, ok_row)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
