@@ -34,3 +34,12 @@ def source_commit() -> tuple[str | None, bool | str | None]:
         return None, None
     status = _git("status", "--porcelain", "--untracked-files=no")
     return commit, None if status is None else bool(status)
+
+
+def describe_source() -> str:
+    """:func:`source_commit` for a line of text: the short hash, marked where tracked files had changed, or
+    ``"unknown commit"``."""
+    commit, dirty = source_commit()
+    if commit is None:
+        return "unknown commit"
+    return f"{commit[:7]}{' (uncommitted changes)' if dirty is True else ''}"

@@ -65,6 +65,19 @@ bits 0-5 (6 bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``
 parameter's least significant ones; two contiguous fields cost the kernel fewer operations and registers than split
 ones), and the top 16 bits round a bf16 parameter, so their kernels hash one word per element instead of two.
 
+Non-finite gradients. A *block* of 256 consecutive elements of the flattened tensor (:data:`BLOCK`, the ``8bit``
+scale block, two ``4bit`` ones, one row of the kernel's tile) whose gradient holds a NaN or an infinity (after
+``maximize``'s negation and any clip coefficient the gradient was multiplied by) is not updated: its parameter
+elements, its moments and its block scales keep their values, bit for bit (:func:`adamw_step_ref_`). Not less than a
+scale block: part of a block cannot keep its old values while the rest is written, since they share the scale. The
+tensor's step counter still advances (it numbers the optimizer's steps and selects the random streams); a block that
+skipped a step then has its bias correction one step ahead, which only matters in the first few steps. Why per block
+and not per tensor or per step: knowing that a whole tensor (or every gradient) is finite before writing any of it
+needs a pass over the gradients before the update, a quarter or more of the update's own memory traffic, while a
+block is decided where the update loads it (a reduction over a row already in registers). One bad batch is still
+skipped whole in practice: a NaN loss makes every gradient NaN, and clipping (``clip_grad_norm_``, the Trainer's
+default, or gradient release's ``max_grad_norm``) multiplies every gradient by a NaN coefficient when the norm is NaN.
+
 Parameters in bf16 or fp16 receive the fp32 update rounded stochastically by default (``param_rounding="nearest"``
 switches to round-to-nearest-even), with the ``STREAM_P`` stream's word, except bf16 parameters with ``8bit`` state
 and ``4bit`` state (the moments' word, above).
@@ -114,6 +127,7 @@ __all__ = [
     "param_stream",
     "load_moments",
     "store_moments",
+    "nonfinite_blocks",
     "adamw_step_ref_",
 ]
 
@@ -684,6 +698,13 @@ def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
     return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
 
 
+def nonfinite_blocks(grad: torch.Tensor) -> torch.Tensor:
+    """Per block of :data:`BLOCK` elements of the flattened ``grad``, whether it holds a NaN or an infinity (a bool
+    tensor of ``num_blocks(grad.numel())`` elements): the blocks a step leaves un-updated (the module docstring says
+    why)."""
+    return ~torch.isfinite(_blocks(grad.float())).all(dim=1)
+
+
 def adamw_step_ref_(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -696,8 +717,10 @@ def adamw_step_ref_(
     step: int,
     maximize: bool = False,
     param_rounding: str = "stochastic",
-) -> None:
-    """Apply one AdamW step to ``param`` in place and update its ``state`` (the format's tensors) in place.
+) -> int:
+    """Apply one AdamW step to ``param`` in place and update its ``state`` (the format's tensors) in place, except in
+    the blocks whose gradient is not finite (:func:`nonfinite_blocks`), which keep their parameter, moments and scales.
+    Returns the number of such blocks.
 
     Args:
         param: the parameter (fp32, bf16 or fp16), updated in place.
@@ -713,6 +736,10 @@ def adamw_step_ref_(
     g = grad.float()
     if maximize:
         g = -g
+    bad = nonfinite_blocks(g)
+    skipped = int(bad.sum())
+    if skipped:
+        kept = (param.detach().clone(), {k: x.clone() for k, x in state.items() if isinstance(x, torch.Tensor)})
     m, v = load_moments(state, fmt, param.shape)
     m = m * s.beta1 + g * s.one_minus_beta1
     v = v * s.beta2 + (g * g) * s.one_minus_beta2
@@ -724,3 +751,29 @@ def adamw_step_ref_(
         bits_p = hash_uniform_bits(p.numel(), key_p, p.device).view(p.shape)
     param.copy_(round_param(p, param.dtype, bits_p))
     store_moments(state, fmt, m, v, stream_key(seed, tensor_index, step, STREAM_MV), s.beta2)
+    if skipped:
+        _restore_blocks(param, state, kept, bad)
+    return skipped
+
+
+def _restore_blocks(param: torch.Tensor, state: dict, kept: tuple, bad: torch.Tensor) -> None:
+    """Put back the values ``kept`` (the parameter and the state tensors before the step) in the ``bad`` blocks of
+    :data:`BLOCK` elements: their elements in the parameter and the per-element state, their entries in the block
+    scales (one per 256-element block for ``8bit``, two for ``4bit``)."""
+    old_p, old_state = kept
+    n = param.numel()
+    per_elem = bad.repeat_interleave(BLOCK)[:n]
+    with torch.no_grad():
+        mask = per_elem.view(param.shape)
+        param[mask] = old_p[mask]
+        for key, old in old_state.items():
+            cur = state[key]
+            if cur.dim() == 0:
+                continue  # the step counter advances
+            if cur.numel() == n:
+                mask = per_elem
+            else:  # block scales: one per 8-bit block, two per block with 4-bit state
+                per_block = 1 if cur.numel() == num_blocks(n, BLOCK) else BLOCK // BLOCK4
+                mask = bad.repeat_interleave(per_block)[: cur.numel()]
+            mask = mask.view(cur.shape)
+            cur[mask] = old[mask]

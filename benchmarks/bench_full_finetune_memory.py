@@ -35,6 +35,7 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -374,6 +375,9 @@ def run_one(cell: str, shape: str, args) -> dict:
         "grads_alive_before_step": grads_alive[-1] if grads_alive else None,
         "logged_grad_norm": logs[-1]["grad_norm"] if logs else None,
         "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        # a run whose weights went non-finite still has a peak and a speed, which must not be read as a result
+        "finite": all(math.isfinite(h.get("grad_norm", 0.0)) and math.isfinite(h.get("loss", 0.0)) for h in logs)
+        and all(bool(torch.isfinite(p).all()) for p in model.parameters()),
     }
 
 
@@ -404,6 +408,10 @@ TIMED_CALLS = (
     "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
     "apexw_hf.engines.triton.kernels.launch:LaunchPlan.set_grad_ptrs",
     "apexw_hf.engines.triton.kernels.launch:LaunchPlan.launch",
+    "apexw_hf.engines.triton.kernels.launch:LaunchPlan.state_table",
+    "apexw_hf.optim.offload:StateOffload._stage",
+    "apexw_hf.optim.offload:StateOffload._done",
+    "apexw_hf.optim.offload:StateOffload._copy_in",
 )
 
 
@@ -548,7 +556,8 @@ def main() -> None:
             nan = float("nan")
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
                   f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
-                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}",
+                  f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}"
+                  f"{'  NOT FINITE: the weights or the logged loss / grad_norm' if row.get('finite') is False else ''}",
                   flush=True)
     keys = ["shape", "cell", "tag", "optim_args", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step",
             "optimizer_state_mib", "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit",

@@ -11,6 +11,9 @@ Usage (on the GPU host)::
 
     python benchmarks/bench_step.py --out step.json   # then: python scripts/ledger.py add step step.json
     python benchmarks/bench_step.py --tune          # kernel tile variants on the large workloads, no baselines
+    # what the kernel's non-finite gradient check costs: each format with and without it, interleaved, twice
+    python benchmarks/bench_step.py --optimizers apexw_8bit_triton apexw_8bit_nocheck apexw_8bit_triton \
+        apexw_8bit_nocheck --out nonfinite_check.json
 """
 
 from __future__ import annotations
@@ -88,6 +91,31 @@ def _apexw(fmt, engine, param_rounding="stochastic"):
     return make
 
 
+class _NoCheck:
+    """An ApexW whose launches leave out the kernel's non-finite gradient check (``launch.CHECK_NONFINITE`` off
+    during its steps only): what the check costs is its row's time minus the same format's ``_triton`` row, timed in
+    one process (``--optimizers apexw_8bit_triton apexw_8bit_nocheck ...``; name them twice, interleaved, to see the
+    run-to-run spread). Not in the default list: not a configuration anyone trains with."""
+
+    def __init__(self, fmt, params):
+        from apexw_hf.engines.triton.kernels import launch
+
+        self._launch = launch
+        self.opt = _apexw(fmt, "triton")(params)
+        self.state = self.opt.state
+
+    def step(self):
+        self._launch.CHECK_NONFINITE = False
+        try:
+            self.opt.step()
+        finally:
+            self._launch.CHECK_NONFINITE = True
+
+
+def _nocheck(fmt):
+    return lambda params: _NoCheck(fmt, params)
+
+
 def _torch(**kw):
     return lambda params: torch.optim.AdamW(params, **HP, **kw)
 
@@ -150,7 +178,12 @@ OPTIMIZERS = {
     "torch_compile": _Compiled,
     "torchao_adamw8bit": _torchao(8),
     "torchao_adamw4bit": _torchao(4),
+    # the kernel without its non-finite gradient check (see _NoCheck; asked for by name only)
+    "apexw_compact_nocheck": _nocheck("compact"),
+    "apexw_8bit_nocheck": _nocheck("8bit"),
+    "apexw_4bit_nocheck": _nocheck("4bit"),
 }
+ON_REQUEST = ("apexw_compact_nocheck", "apexw_8bit_nocheck", "apexw_4bit_nocheck")  # not in the default list
 # Baselines with long warm-up (compilation): a run past its --deadline skips these, and says so.
 SLOW = ("torch_compile", "torchao_adamw8bit", "torchao_adamw4bit")
 
@@ -524,7 +557,13 @@ def main():
     )
     ap.add_argument("--time-budget", type=float, default=20.0, help="seconds of timed steps per optimizer at most")
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
-    ap.add_argument("--optimizers", nargs="*", default=list(OPTIMIZERS))
+    ap.add_argument(
+        "--optimizers",
+        nargs="*",
+        default=[o for o in OPTIMIZERS if o not in ON_REQUEST],
+        help="optimizer names, in the order they run (a name may repeat); besides the default ones: "
+        + ", ".join(ON_REQUEST),
+    )
     ap.add_argument("--skip", nargs="*", default=[], help="optimizer names to leave out (recorded as skipped)")
     ap.add_argument(
         "--no-budget-skips", action="store_true", help="time the baselines a full run skips for device time"

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apexw_hf.provenance import source_commit  # noqa: E402
+from apexw_hf.provenance import describe_source  # noqa: E402
 
 THRESHOLDS = (4, 8, 12, 14, 16, 18, 20, 24)  # log2 of the skew: 14 and 18 are the 4-bit and 8-bit code floors
 QUANTILES = (0.5, 0.9, 0.99, 0.999)
@@ -92,8 +92,7 @@ def main(argv=None) -> list[dict]:
                 for block in BLOCKS:
                     rows.append({"step": state.global_step, "block": block, **summarize(vs, block)})
 
-    commit, dirty = source_commit()  # before the run: the tree it ran
-    commit = f"{(commit or 'unknown')[:7]}{' (uncommitted changes)' if dirty else ''}"
+    commit = describe_source()  # before the run: the tree it ran
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare_base(cfg, out, verbose=False)

@@ -103,7 +103,7 @@ def report(data: dict) -> str:
             if r.get("status") != "ok":
                 lines.append(f"| {o} | {r['status']} | | | | | |" + (" |" if clocks else ""))
                 continue
-            ratio = fused / r["median_ms"] if fused else float("nan")
+            ratio = f"{fused / r['median_ms']:.2f}" if fused else "-"  # a run without torch's fused AdamW
             clk = ""
             if clocks:
                 clk = (
@@ -112,7 +112,7 @@ def report(data: dict) -> str:
                     else f" {r.get('clocks', '-')} |"
                 )
             lines.append(
-                f"| {o} | {r['median_ms']:.3f} | {ratio:.2f} | {r['floor_ms']:.3f} | {r['floor_fraction'] * 100:.0f}% "
+                f"| {o} | {r['median_ms']:.3f} | {ratio} | {r['floor_ms']:.3f} | {r['floor_fraction'] * 100:.0f}% "
                 f"| {r['state_bytes_per_param']:.2f} | {r['steps_timed']} |" + clk
             )
         lines.append("")
@@ -143,7 +143,10 @@ def plot(datas, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    # the newest run among those with the most workloads (a short run of two workloads does not replace a full one)
+    # the newest run among those with the most workloads (a short run of two workloads does not replace a full one),
+    # of the runs that timed torch's fused AdamW (the plot's ratios are to it; a run of ApexW rows only compares
+    # ApexW variants with each other)
+    datas = [d for d in datas if any(r["optimizer"] == "torch_fused" for r in d["rows"])] or datas
     most = max(len({r["workload"] for r in d["rows"]}) for d in datas)
     data = next(d for d in datas if len({r["workload"] for r in d["rows"]}) == most)
     rows = [r for r in data["rows"] if r.get("status") == "ok"]

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apexw_hf.provenance import source_commit  # noqa: E402
+from apexw_hf.provenance import describe_source  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -127,8 +127,7 @@ def main(argv=None) -> list[dict]:
     ratios = tuple(int(x) for x in args.ratios.split(","))
     scenarios = tuple(args.scenarios.split(","))
     torch.set_num_threads(1)
-    commit, dirty = source_commit()  # before the run: the tree it ran
-    commit = f"{(commit or 'unknown')[:7]}{' (uncommitted changes)' if dirty else ''}"
+    commit = describe_source()  # before the run: the tree it ran
     t0 = time.time()
     rows = []
     for scenario in scenarios:

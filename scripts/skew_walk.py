@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from apexw_hf import reference as ref  # noqa: E402
 from apexw_hf.optim import state as st  # noqa: E402
-from apexw_hf.provenance import source_commit  # noqa: E402
+from apexw_hf.provenance import describe_source  # noqa: E402
 
 BETA2S = (0.99, 0.999, 0.9995, 0.9999)
 AFTER = {0.99: 1000, 0.999: 3000, 0.9995: 4000, 0.9999: 6000}  # steps after the burst
@@ -185,8 +185,7 @@ def main(argv=None) -> list[dict]:
             "(> 0): out of range"
         )
     torch.set_num_threads(args.threads)
-    commit, dirty = source_commit()  # before the run: the tree it ran
-    commit = f"{(commit or 'unknown')[:7]}{' (uncommitted changes)' if dirty else ''}"
+    commit = describe_source()  # before the run: the tree it ran
     t0 = time.time()
     rows = run(
         formats, beta2s, log2_ratios, scenarios, args.blocks, args.block, args.burst, args.steps_scale, args.seed

@@ -27,3 +27,12 @@ def test_no_git(monkeypatch):
     monkeypatch.delenv("APEXW_COMMIT", raising=False)
     monkeypatch.setattr(provenance, "_git", lambda *args: None)
     assert provenance.source_commit() == (None, None)
+
+
+def test_describe_source(monkeypatch):
+    monkeypatch.setattr(provenance, "source_commit", lambda: ("b" * 40, True))
+    assert provenance.describe_source() == "bbbbbbb (uncommitted changes)"
+    monkeypatch.setattr(provenance, "source_commit", lambda: ("b" * 40, "unknown"))
+    assert provenance.describe_source() == "bbbbbbb"
+    monkeypatch.setattr(provenance, "source_commit", lambda: (None, None))
+    assert provenance.describe_source() == "unknown commit"

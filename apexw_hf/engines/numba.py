@@ -26,6 +26,8 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
+A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
+256-element block, ``reference.nonfinite_blocks``) is flagged in ``skip`` and not written; the host counts the flags.
 A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
 ``reference._blocks``. Compiled on first use and cached on disk (``cache=True``), one signature per kernel.
 """
@@ -95,6 +97,7 @@ INF_BITS = u32(0x7F800000)
 BF16_NAN = np.uint16(0x7FC0)
 ONE_BITS = u32(1)
 F_ONE, F_ZERO = f32(1.0), f32(0.0)
+F_INF, BF16_EXP = f32(np.inf), u32(0x7F80)
 MIN_NORMAL = f32(ref.MIN_NORMAL)
 EXP23 = u32(1 << 23)
 # 8-bit (format version 3): m's random bits are the word's bits 0-5 (to 14-19, half a unit at 13), v's 16 are its
@@ -197,6 +200,29 @@ def load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, blk, p_mode):
 
 
 @njit(inline="always")
+def nonfinite(gbuf, blk):
+    """How many of the block's gradient values (fp32, padding zero) are a NaN or an infinity."""
+    bad = 0
+    for j in range(blk):
+        bad += 0 if abs(gbuf[j]) < F_INF else 1
+    return bad
+
+
+@njit(inline="always")
+def nonfinite_raw(g32, g16, base, nv):
+    """:func:`nonfinite` of ``nv`` gradient values of the chunk from ``base`` (fp32, or bf16 bits with an exponent of
+    all ones)."""
+    bad = 0
+    if g32.shape[0] == 0:
+        for j in range(nv):
+            bad += 1 if (u32(g16[base + j]) & BF16_EXP) == BF16_EXP else 0
+    else:
+        for j in range(nv):
+            bad += 0 if abs(g32[base + j]) < F_INF else 1
+    return bad
+
+
+@njit(inline="always")
 def update(m, v, g, p, beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay):
     """The reference's update, one fp32 operation at a time: (m, v, p)."""
     m = m * beta1 + g * omb1
@@ -254,11 +280,14 @@ def code_bits(y, min_normal):
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks):
+def step_8bit(
+    p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks, skip
+):
     """One chunk with 8-bit state. ``p_mode``: 0 fp32 parameters (``p32``), 1 bf16 rounded to nearest, 2 bf16
     stochastically (``p16``, the bf16 bits); gradients in ``g32`` (fp32) or, when it is empty, ``g16`` (bf16
     bits). ``hp``: beta1, 1 - beta1 (negated for ``maximize``), beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps,
-    step size, decay."""
+    step size, decay. ``skip[b]`` is set to 1 for a block with a non-finite gradient, which is left as it was
+    (``reference.nonfinite_blocks``), else 0."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
@@ -273,6 +302,10 @@ def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, b
             base = b * BLOCK8
             nv = u64(blk_valid[b])
             load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK8, p_mode)
+            bad = nonfinite(gbuf, BLOCK8)
+            skip[b] = 1 if bad else 0
+            if bad:
+                continue
             sm = bits_f32(u32(m_scale[b]) << S16)
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK8):
@@ -319,9 +352,13 @@ def step_8bit(p32, p16, g32, g16, m_codes, v_codes, m_scale, v_scale, blk_seg, b
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks):
+def step_4bit(
+    p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks, skip, blk_pair
+):
     """One chunk with 4-bit state, format version 2 (``codes``: both moments per byte, ``reference.quantize_mv4``;
-    ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s."""
+    ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block of 128 elements
+    is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's 256-element block,
+    -1 where the tensor ends first) has a non-finite value."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
@@ -335,6 +372,13 @@ def step_4bit(p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, s
             base = b * BLOCK4
             nv = u64(blk_valid[b])
             load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK4, p_mode)
+            bad = nonfinite(gbuf, BLOCK4)
+            pair = blk_pair[b]
+            if pair >= 0:
+                bad += nonfinite_raw(g32, g16, u64(pair) * BLOCK4, u64(blk_valid[pair]))
+            skip[b] = 1 if bad else 0
+            if bad:
+                continue
             sm = bits_f32(u32(m_scale[b]) << S16)
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK4):
@@ -393,7 +437,7 @@ class _ChunkTables:
     """What a chunk's kernel call needs besides the step's values: per block, its piece (segment) and how many of
     its elements are valid (the rest is block padding), and NumPy views of the tensors that persist between steps."""
 
-    __slots__ = ("blk_seg", "blk_valid", "deltas", "arrays")
+    __slots__ = ("blk_seg", "blk_valid", "deltas", "arrays", "skip", "blk_pair", "blk_unit")
 
     def __init__(self, layout, ch):
         blk = layout.block
@@ -405,6 +449,20 @@ class _ChunkTables:
             self.blk_seg[first:end] = j
             if (o + k) % blk:
                 self.blk_valid[end - 1] = (o + k) % blk
+        # the non-finite check: the kernel's flag per block, and each block's 256-element block of its tensor (a piece
+        # starts at a multiple of 256 of its tensor, at a multiple of blk of the chunk); 4-bit pairs the two halves
+        self.skip = np.zeros(nb, np.uint8)
+        self.blk_unit = np.zeros(nb, np.int64)
+        self.blk_pair = np.full(nb, -1, np.int64)
+        for _, a, k, o, _ in ch.segs:
+            for b in range(o // blk, -(-(o + k) // blk)):
+                e = b * blk - o + a  # the block's first element in its tensor
+                self.blk_unit[b] = e // ref.BLOCK
+                if blk < ref.BLOCK:
+                    if e % ref.BLOCK == 0:
+                        self.blk_pair[b] = b + 1 if (b + 1) * blk < o + k else -1
+                    else:
+                        self.blk_pair[b] = b - 1
         # the offset of each piece's element indices against the chunk's: (a - o) * GOLDEN, added to its key
         self.deltas = np.array([((a - o) * rnd.GOLDEN) & rnd.MASK32 for _, a, _, o, _ in ch.segs], np.uint64)
         io = ch.io
@@ -417,10 +475,10 @@ class _ChunkTables:
 FORMATS = ("8bit", "4bit")  # the state formats of this path (with fp32 or bf16 parameters)
 
 
-def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize: bool, rounding: str) -> None:
+def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize: bool, rounding: str) -> dict:
     """One chunk of ``torch_engine``'s plan (8-bit or 4-bit state, fp32 or bf16 parameters, CPU): gather what a
     packed chunk needs into scratch, one kernel call, scatter back. ``keys_mv``: the moments' stream key per tensor
-    slot."""
+    slot. Returns ``{slot: blocks}``: the 256-element blocks left as they were for a non-finite gradient."""
     tables = ch.fused
     if tables is None:
         tables = ch.fused = _ChunkTables(layout, ch)
@@ -471,14 +529,23 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
         ],
         np.float32,
     )
-    kernel = step_4bit if four else step_8bit
+    args = (tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode)
     with _LOCK:
         ntasks = set_threads()
-        kernel(p32, p16, g32, g16, *codes, ms, vs, tables.blk_seg, tables.blk_valid, seg_key, hp, p_mode, ntasks)
+        if four:
+            step_4bit(p32, p16, g32, g16, *codes, ms, vs, *args, ntasks, tables.skip, tables.blk_pair)
+        else:
+            step_8bit(p32, p16, g32, g16, *codes, ms, vs, *args, ntasks, tables.skip)
     if not ch.direct:
         torch._foreach_copy_(io["p_src"], io["p_out"])
         if io["moments_out"][0]:
             torch._foreach_copy_(*io["moments_out"])
+    if not tables.skip.any():
+        return {}
+    skipped: dict[int, set] = {}
+    for b in np.flatnonzero(tables.skip):
+        skipped.setdefault(ch.segs[tables.blk_seg[b]][0], set()).add(int(tables.blk_unit[b]))
+    return {slot: len(units) for slot, units in skipped.items()}
 
 
 def set_threads() -> int:

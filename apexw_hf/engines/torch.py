@@ -43,6 +43,10 @@ for a CPU:
   ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 4-bit chunks with a block
   scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
+* Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose gradient holds a NaN or an
+  infinity keeps its parameter, moments and scales): one sum of the gathered gradient, in cache, tells whether a chunk
+  has any; only then are the parameter and state elements of its bad blocks copied before the update and written back
+  after it (the update itself runs as always, its NaN paths above included). The numba loop skips such blocks itself.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
@@ -187,7 +191,8 @@ class _Layout:
         for i, (p, s) in enumerate(zip(members, self.local_states)):
             tensors = [dt.local(p)] + [s[k] for k in STATE_KEYS if k in s]
             (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
-        self.tkeys = [rnd.tensor_key(group["seed"], opt._tensor_index(members[i])) for i in self.fast]
+        self.tindex = [opt._tensor_index(members[i]) for i in self.fast]  # by slot
+        self.tkeys = [rnd.tensor_key(group["seed"], i) for i in self.tindex]
         self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
         self.locals = [dt.local(members[i]) for i in self.fast]
         self.shapes = [p.shape for p in self.locals]
@@ -435,9 +440,10 @@ class TorchEngine:
     def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
         maximize = group["maximize"]
         rounding = group["param_rounding"]
+        skipped: dict[int, int] = {}  # tensor index -> blocks left un-updated (non-finite gradients)
         for i in layout.slow:
             p = layout.members[i]
-            ref.adamw_step_ref_(
+            skipped[self.optimizer._tensor_index(p)] = ref.adamw_step_ref_(
                 dt.local(p),
                 dt.local(grads[i]),
                 layout.local_states[i],
@@ -449,15 +455,25 @@ class TorchEngine:
                 maximize=maximize,
                 param_rounding=rounding,
             )
-        if not layout.fast:
-            return
+        if layout.fast:
+            self._step_fast(group, layout, grads, t, s, skipped)
+        guard = getattr(self.optimizer, "_nonfinite", None)
+        if guard is not None and any(skipped.values()):
+            guard.add(layout.locals[0].device if layout.fast else dt.local(layout.members[0]).device, skipped)
+
+    def _step_fast(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars, skipped: dict) -> None:
+        """The chunks of ``layout`` (its contiguous tensors); the blocks skipped for non-finite gradients are added to
+        ``skipped`` by tensor index."""
+        maximize = group["maximize"]
+        rounding = group["param_rounding"]
         grads = [dt.local(grads[i]) for i in layout.fast]
         sc = self._scratch_for(layout.locals[0].device)
         fused = self._fused(layout)
         if fused is not None:
             keys_mv = _stream_keys(layout.tkeys_np, rnd.mix32(t), rnd.STREAM_MV)
             for ch in layout.chunks:
-                fused.step_chunk(layout, ch, sc, grads, s, keys_mv, maximize, rounding)
+                for slot, n in fused.step_chunk(layout, ch, sc, grads, s, keys_mv, maximize, rounding).items():
+                    skipped[layout.tindex[slot]] = skipped.get(layout.tindex[slot], 0) + n
             self.numba_used = True
             return
         # The step's scalars as 0-dim fp32 tensors, one host-to-tensor conversion for all of them.
@@ -486,7 +502,8 @@ class TorchEngine:
         own_p = stochastic_p and ref.param_stream(layout.fmt, layout.dtype) == rnd.STREAM_P
         keys_p = _stream_keys(layout.tkeys_np, mixed, rnd.STREAM_P) if own_p else None
         for ch in layout.chunks:
-            _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p)
+            for slot, n in _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p):
+                skipped[layout.tindex[slot]] = skipped.get(layout.tindex[slot], 0) + n
 
 
 def _mix32_np(x: np.ndarray) -> np.ndarray:
@@ -506,8 +523,49 @@ def _stream_keys(tkeys: np.ndarray, mixed_step: int, stream: int) -> list[int]:
     return _mix32_np(x).tolist()
 
 
+def _kept_blocks(layout: _Layout, ch: _Chunk, grads) -> list[tuple[int, int, list]]:
+    """Before the update of a chunk with a non-finite gradient element: for each of its pieces whose gradient has
+    blocks of ``reference.BLOCK`` elements that are not finite (``reference.nonfinite_blocks``), ``(slot, blocks,
+    [(tensor, selection, copy)])``: the parameter's and the state's elements of those blocks as they are, in the
+    tensors that keep them between steps, which :func:`_restore_blocks` writes back after the chunk. A piece starts at
+    a block boundary of its tensor (a multiple of CHUNK, or 0)."""
+    kept = []
+    for slot, a, k, _, _ in ch.segs:
+        bad = ref.nonfinite_blocks(grads[slot].reshape(-1)[a : a + k])
+        count = int(bad.sum())
+        if not count:
+            continue
+        elems = bad.repeat_interleave(ref.BLOCK)[:k]
+        p = layout.locals[slot].detach().reshape(-1)[a : a + k]
+        saved = [(p, elems, p[elems].clone())]
+        state = layout.local_states[layout.fast[slot]]
+        for key in STATE_KEYS:
+            x = state.get(key)
+            if x is None:
+                continue
+            if key in SCALE_KEYS:  # one scale per 8-bit block, two per block with 4-bit state
+                blk = layout.block
+                x = x.reshape(-1)[a // blk : -(-(a + k) // blk)]
+                sel = bad.repeat_interleave(ref.BLOCK // blk)[: x.numel()]
+            else:
+                x, sel = x.reshape(-1)[a : a + k], elems
+            saved.append((x, sel, x[sel].clone()))
+        kept.append((slot, count, saved))
+    return kept
+
+
+def _restore_blocks(kept: list) -> list[tuple[int, int]]:
+    """Write back what :func:`_kept_blocks` kept; ``(slot, blocks)`` of each piece."""
+    for _, _, saved in kept:
+        for x, sel, old in saved:
+            x[sel] = old
+    return [(slot, count) for slot, count, _ in kept]
+
+
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
-    """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter."""
+    """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter. Returns
+    ``(slot, blocks)`` of the pieces whose blocks with a non-finite gradient were left as they were (usually none:
+    one sum of the gathered gradient, in cache, tells whether any element is not finite)."""
     beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
     fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
     n = ch.length
@@ -555,6 +613,8 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             b.mv.copy_(io["mom"])
         else:
             m_scale, v_scale, scales2 = io["scl_m"], io["scl_v"], io["scl"]
+    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
+    kept = None if math.isfinite(float(G.sum())) else _kept_blocks(layout, ch, grads)
     if fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
         b.m.copy_(ref.dequantize_m(m_state, m_scale).reshape(-1))
         b.v.copy_(ref.dequantize_v(v_state, v_scale).reshape(-1))
@@ -624,6 +684,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             encode_4bit(b, c, m_state, path == "exact")
     if not ch.direct and io["moments_out"][0]:
         torch._foreach_copy_(*io["moments_out"])
+    return _restore_blocks(kept) if kept else ()
 
 
 def _round_param(P, dtype, b, c, p_out) -> None:

@@ -21,6 +21,10 @@ Values (added to the Trainer's training logs):
   AdamW 4 + 4 + 8 = 16. Not counted: activations, frozen (not optimized) weights, and the one bucket of gradients
   that a release holds at a time. Under FSDP2, ``P``, ``G`` and ``N`` count this rank's shards (as ``S`` does), so
   the value is per rank;
+* ``nonfinite_skipped`` (ApexW only): the optimizer steps in which at least one block of 256 elements was not updated
+  because its gradient held a NaN or an infinity (``ApexW.nonfinite_skipped``), since the optimizer was built; per
+  rank under FSDP2. Reading it waits for the GPU, as logging the loss does. When blocks were skipped since the last
+  log, a warning names the first parameter that had a non-finite gradient (by its name in the model);
 * ``peak_gpu_memory_gib``: ``torch.cuda.max_memory_allocated() / 2**30``, only when CUDA has been used.
 
 A key added to ``logs`` in ``on_log`` reaches the console, TensorBoard or W&B only if this callback runs before the
@@ -45,8 +49,11 @@ MIB = 2**20
 GIB = 2**30
 
 
-def optimizer_state_metrics(optimizer, *, unique: bool = False, peak_memory: bool = True) -> dict[str, float]:
-    """The values :class:`OptimizerStateCallback` logs, for any optimizer (or accelerate's wrapper of one)."""
+def optimizer_state_metrics(
+    optimizer, *, unique: bool = False, peak_memory: bool = True, model=None
+) -> dict[str, float]:
+    """The values :class:`OptimizerStateCallback` logs, for any optimizer (or accelerate's wrapper of one). ``model``:
+    where the warning about non-finite gradients finds the parameter's name."""
     nbytes = optimizer_state_bytes(optimizer, unique=unique)
     nparams = optimizer_param_count(optimizer)
     release = uses_gradient_release(optimizer)
@@ -61,9 +68,20 @@ def optimizer_state_metrics(optimizer, *, unique: bool = False, peak_memory: boo
         "gradient_release": int(release),
         "kept_bytes_per_param": kept / local_params if local_params else 0.0,
     }
+    report = getattr(unwrap_optimizer(optimizer), "nonfinite_report", None)
+    if report is not None:
+        out["nonfinite_skipped"] = report(None if model is None else lambda: _param_names(model))
     if peak_memory and torch.cuda.is_available() and torch.cuda.is_initialized():
         out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / GIB
     return out
+
+
+def _param_names(model) -> dict[int, str]:
+    """``id(parameter) -> name`` over ``model.named_parameters()`` (a wrapper's prefixes kept)."""
+    try:
+        return {id(p): name for name, p in model.named_parameters()}
+    except (AttributeError, TypeError, RuntimeError):
+        return {}
 
 
 def uses_gradient_release(optimizer) -> bool:
@@ -92,7 +110,7 @@ def kept_bytes(optimizer, state_bytes: int, release: bool) -> tuple[int, int]:
 
 class OptimizerStateCallback(TrainerCallback):
     """Log optimizer-state MiB, state bytes and kept bytes per optimized parameter, whether gradients are released,
-    and peak GPU memory with every training log.
+    ApexW's count of steps with skipped non-finite gradients, and peak GPU memory with every training log.
 
     Args:
         unique: count tensors shared between parameters' states once (actual memory) instead of once per reference
@@ -114,12 +132,21 @@ class OptimizerStateCallback(TrainerCallback):
         self.unique = unique
         self.peak_memory = peak_memory
 
+    def on_train_begin(self, args, state, control, optimizer=None, model=None, **kwargs):
+        # ApexW's warning about a non-finite gradient, at the step it happens, then names the parameter as the model
+        # does
+        name = getattr(unwrap_optimizer(optimizer), "set_parameter_names", None) if optimizer is not None else None
+        if name is not None and model is not None:
+            name(model)
+
     def on_log(self, args, state, control, logs=None, optimizer=None, **kwargs):
         if logs is None or optimizer is None:
             return
         if logs and all(k.startswith(("eval_", "test_")) or k == "epoch" for k in logs):
             return  # evaluation metrics: the optimizer has not changed since the last training log
-        values = optimizer_state_metrics(optimizer, unique=self.unique, peak_memory=self.peak_memory)
+        values = optimizer_state_metrics(
+            optimizer, unique=self.unique, peak_memory=self.peak_memory, model=kwargs.get("model")
+        )
         if state.log_history:
             last = state.log_history[-1]
             same = last.get("step") == state.global_step and all(

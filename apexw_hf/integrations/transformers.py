@@ -70,6 +70,7 @@ _RELEASE_SUFFIXES = (RELEASE_SUFFIX, OFFLOAD_SUFFIX)  # the names that turn grad
 _STATE_FORMATS = ("compact", "8bit", "4bit", "fp32")
 _ENGINES = ("auto", "triton", "torch")
 _PARAM_ROUNDINGS = ("stochastic", "nearest")
+_NONFINITE = ("skip", "raise")
 _TRUE, _FALSE = ("true", "1", "yes"), ("false", "0", "no")
 
 # optim_args key -> help text (allowed values). Hyperparameters that TrainingArguments already owns are refused
@@ -85,6 +86,7 @@ OPTIM_ARGS: dict[str, str] = {
     "release_bucket_size": "<int >= 1, gradient elements per launch>",
     "tied_grad_offload": "true|false",
     "state_offload": "true|false",
+    "nonfinite": "skip|raise",
 }
 _OWNED_BY_TRAINING_ARGS = {
     "lr": "learning_rate",
@@ -107,8 +109,13 @@ def _name_of(optim: Any) -> str:
 
 def _convert(key: str, raw: str) -> Any:
     low = raw.strip().lower()
-    if key in ("state_format", "engine", "param_rounding"):
-        allowed = {"state_format": _STATE_FORMATS, "engine": _ENGINES, "param_rounding": _PARAM_ROUNDINGS}[key]
+    if key in ("state_format", "engine", "param_rounding", "nonfinite"):
+        allowed = {
+            "state_format": _STATE_FORMATS,
+            "engine": _ENGINES,
+            "param_rounding": _PARAM_ROUNDINGS,
+            "nonfinite": _NONFINITE,
+        }[key]
         if low not in allowed:
             raise ValueError(f"optim_args: {key}={raw!r} is not allowed; {key} must be one of {', '.join(allowed)}")
         return low

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable
 from itertools import repeat
@@ -16,7 +17,8 @@ from .. import reference as ref
 from . import dtensor as dt
 from . import state as st
 from .hparams import as_float as _as_float
-from .offload import STEP_CHUNK, StateOffload, to_host
+from .nonfinite import NonfiniteGuard
+from .offload import StateOffload, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -84,6 +86,14 @@ class ApexW(torch.optim.Optimizer):
             (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of three launches instead of all of it;
             the results are bit-identical. Needs the Triton engine on one GPU (CUDA parameters; CPU parameters only
             under the Triton interpreter) and host memory for the whole state; not under FSDP2.
+        nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
+            infinity is not updated (its parameter elements, moments and scales keep their values; every other block
+            is updated as usual: :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted
+            (:attr:`nonfinite_skipped`). ``"skip"`` (default): training goes on, and a warning names the first
+            parameter that had one, at the next step on the CPU, within a few steps on a GPU (its counters are read
+            without waiting for the device, :mod:`apexw_hf.optim.nonfinite`). ``"raise"``: the step that skipped
+            raises ``FloatingPointError`` naming the parameter, after its update (one host-device synchronization per
+            step).
 
     Example:
         >>> import torch
@@ -115,12 +125,14 @@ class ApexW(torch.optim.Optimizer):
         release_bucket_size: int | None = None,
         tied_grad_offload: bool = False,
         state_offload: bool = False,
+        nonfinite: str = "skip",
     ):
         if amsgrad:
             raise ValueError("amsgrad=True is not supported by ApexW; use torch.optim.AdamW(amsgrad=True)")
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
         self._check_release_args(gradient_release, max_grad_norm, release_bucket_size, tied_grad_offload)
+        self._nonfinite = NonfiniteGuard(self, nonfinite)
         self._param_index: dict[torch.Tensor, int] = {}
         self._group_index: dict[int, tuple[int, int]] = {}
         self._devices_of: dict[int, tuple[list, bool]] = {}  # id(group["params"]) -> (that list, spans devices)
@@ -496,21 +508,8 @@ class ApexW(torch.optim.Optimizer):
                 "optimizer was built); turn state_offload off under FSDP2"
             )
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
-        offload = self._offload
-        index, staged = offload.stage(group, params, key)  # creates the host state of new parameters
-        bucket = key if bucket is None else bucket  # step()'s chunks: one launch plan each
-        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, states=staged)
-        offload.done(index, params, staged)
-
-    def _step_chunks(self, group: dict, params: list, grads: list) -> None:
-        """``step()`` of a param group with ``state_offload``: launches of at most ``STEP_CHUNK`` elements (a larger
-        tensor alone), each staged as a gradient-release bucket is."""
-        start, count = 0, 0
-        for i, p in enumerate(params):
-            count += p.numel()
-            if count >= STEP_CHUNK or i == len(params) - 1:
-                self._step_params(group, params[start : i + 1], grads[start : i + 1])
-                start, count = i + 1, 0
+        stager = self._offload.stager(group, key)
+        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, stager=stager)
 
     def _spans_devices(self, group: dict) -> bool:
         """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
@@ -543,6 +542,7 @@ class ApexW(torch.optim.Optimizer):
             self._release.finish_step()
             if self._offload is not None:
                 self._offload.end_step()
+            self._nonfinite.end_step()
             return loss
         for group in self.param_groups:
             params = group["params"]
@@ -552,13 +552,38 @@ class ApexW(torch.optim.Optimizer):
                 grads = [g for g in grads if g is not None]
             if not params:
                 continue
-            if self._offload is not None:
-                self._step_chunks(group, params, grads)
-            else:
-                self._step_params(group, params, grads)
+            self._step_params(group, params, grads)
         if self._offload is not None:
             self._offload.end_step()
+        self._nonfinite.end_step()
         return loss
+
+    @property
+    def nonfinite_skipped(self) -> int:
+        """The optimizer steps in which at least one block was not updated because its gradient was not finite
+        (``nonfinite`` argument), since construction, summed over the parameters' devices; under FSDP2 this rank's.
+        Reading it waits for the device (read it when logging, not every step)."""
+        return self._nonfinite.total()
+
+    def set_parameter_names(self, model) -> None:
+        """Name parameters in the warnings and errors about non-finite gradients by their names in ``model`` (a module;
+        looked up when a message is due, so parameters replaced later, as FSDP2 does, are found too; the module is held
+        through a weak reference). Not needed when the optimizer was built from ``model.named_parameters()``; the
+        Trainer callback calls it."""
+        ref = weakref.ref(model)
+
+        def names() -> dict[int, str]:
+            m = ref()
+            return {} if m is None else {id(p): n for n, p in m.named_parameters()}
+
+        self._nonfinite.names = names
+
+    def nonfinite_report(self, names=None) -> int:
+        """:attr:`nonfinite_skipped`, and a warning if blocks were skipped since the last report or warning, naming the
+        first such parameter by ``names`` (``id(param) -> name``, e.g. ``{id(p): n for n, p in
+        model.named_parameters()}``, or a function returning it) or by the param groups' ``param_names``. Waits for
+        the device; the Trainer callback calls it when it logs."""
+        return self._nonfinite.report(names)
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
@@ -585,6 +610,9 @@ class ApexW(torch.optim.Optimizer):
         # Hooks live on the parameters, not in the pickled state: a copy steps in step(), without release.
         self.__dict__.setdefault("_release", None)
         self.__dict__.setdefault("_offload", None)
+        # the mode is not in the pickled state either: a copy skips non-finite gradients (the default) and counts anew
+        if self.__dict__.get("_nonfinite") is None:
+            self._nonfinite = NonfiniteGuard(self, "skip")
         # torch.optim.Optimizer.__setstate__ (run by load_state_dict, deepcopy and unpickling) adds
         # differentiable=False to the defaults for optimizers pickled before that flag existed. ApexW has no
         # differentiable mode; kept, the key would reach every param group added later and every resumed state dict.

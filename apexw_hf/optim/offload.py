@@ -2,26 +2,33 @@
 
 With ``ApexW(..., state_offload=True)`` every tensor of ``optimizer.state`` (moments, scales) is a host tensor, in
 pinned memory when CUDA is there; that is what ``state_dict``, ``dequantized_state`` and the export to torch AdamW
-read. Each launch of the Triton engine (a gradient-release bucket, or a chunk of a param group in ``step()``) updates
-a copy of its tensors' state in one of a few device buffers ("slots"):
+read. The Triton engine's launches (a gradient-release bucket, or a param group in ``step()``) are cut into *pieces*:
+consecutive work items of a launch plan (chunks of ``rows * 256`` elements, a large tensor cut between chunks) whose
+state takes at most ``piece_bytes`` (``PIECE_BYTES``). Each piece updates a copy of its state in one of a few device
+buffers ("slots"):
 
-1. *stage*: the bucket's state is copied host -> device into a slot on a side stream (or found there already: it was
+1. *stage*: the piece's state is copied host -> device into a slot on a side stream (or found there already: it was
    prefetched, or is still resident from the last step), and the compute stream waits for that copy only;
-2. the bucket's usual launch updates the slot in place (the plan takes the slot's addresses:
-   ``LaunchPlan.set_state_ptrs``);
+2. the plan is launched over the piece's work items with a table of state addresses pointing into the slot
+   (``LaunchPlan.state_table``: the address of element 0 of each tensor's state, shifted so that the piece's elements
+   land in the slot; made once per piece and slot, since a piece comes back to the same slot every step);
 3. the slot is copied device -> host on a second side stream once the launch is done, while backward goes on.
 
-Buckets come in the same order every step (gradient release cuts the same buckets from the second step on, and
-``step()`` cuts the same chunks), so the offload learns the order of the last step and, after each launch, copies in
-the state of the next ``slots - 1`` buckets of that order. A bucket that is not the one expected (the first step, a
-parameter without a gradient, a changed grouping) is copied in when it is launched: the same bits, later. The device
-holds ``slots`` buffers of the largest bucket's state; the host copy of a bucket's state is never older than its
-last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above call it).
+So the device holds ``slots`` buffers of at most about ``piece_bytes`` each, whatever the size of a bucket or of one
+tensor (a vocabulary embedding's state passes through in pieces), and a launch computes the same bits as one over the
+whole plan: every work item computes the same elements from the same addresses' contents.
 
-Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the bucket being launched, and with
-three slots the copy in of bucket ``k + 1`` and the copy out of bucket ``k - 1`` use different buffers and run at
-once (the link carries both directions). Copies are queued after the events they depend on (the launch that last
-wrote a slot, the copy out that last wrote a bucket's host state): nothing waits on the host.
+Pieces come in the same order every step (gradient release cuts the same buckets from the second step on, ``step()``
+the same groups), so the offload learns the order of the last step and, after each launch, copies in the state of the
+next ``slots - 1`` pieces of that order. A piece that is not the one expected (the first step, a parameter without a
+gradient, a changed grouping) is copied in when it is launched: the same bits, later. The host copy of a piece's state
+is never older than its last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above
+call it).
+
+Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the piece being launched, and with three
+slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once (the
+link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a slot,
+the copy out that last wrote the same elements' host state): nothing waits on the host.
 
 On the CPU (the Triton interpreter runs the kernels on CPU tensors) the same logic runs with plain copies, which is
 how the tests check it.
@@ -34,8 +41,12 @@ import torch
 from . import state as st
 
 DEFAULT_SLOTS = 3
-ALIGN = 256  # bytes: every staged tensor starts at a multiple (16 is what the kernel's vector loads need)
-STEP_CHUNK = 2**26  # elements per launch of step() under offload (a param larger than that is one launch alone)
+# Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds
+# ``DEFAULT_SLOTS`` buffers of about this size, and ``DEFAULT_SLOTS - 1`` of them are how far the copies run ahead of
+# the launches: smaller pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State
+# offload", has the measured trade-off).
+PIECE_BYTES = 160 * 2**20
+ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 
 
 def _align(n: int) -> int:
@@ -72,14 +83,28 @@ def host_bytes_available() -> int | None:
     return None
 
 
+class _Piece:
+    """Work items ``programs = (first, end)`` of one launch plan and the state they update: ``ranges``, one
+    ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
+    (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
+
+    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size", "tables")
+
+    def __init__(self, key: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
+        self.key, self.programs, self.ranges, self.params = key, programs, ranges, params
+        self.tensors = tensors  # of the plan
+        self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
+        self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
+
+
 class _Slot:
-    """One device buffer and what it holds: the bucket ``key`` whose state is there (None: nothing usable), each
-    parameter's views into it, and the events of its last copy in and copy out."""
+    """One device buffer and what it holds: the piece ``key`` whose state is there (None: nothing usable), and the
+    events of its last copy in and copy out."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
         self.key: tuple | None = None
-        self.views: dict[int, dict[str, torch.Tensor]] = {}
+        self.piece: _Piece | None = None
         self.copied_in = None  # event: the copy in of ``key`` (waited for by the launch)
         self.copied_out = None  # event: the last copy out of this slot (waited for by the next copy in)
 
@@ -89,21 +114,29 @@ class StateOffload:
 
     Args:
         optimizer: the :class:`~apexw_hf.optim.ApexW` (its ``state`` holds the host tensors).
-        slots: device buffers (>= 2): the bucket launched and ``slots - 1`` prefetched.
+        slots: device buffers (>= 2): the piece launched and ``slots - 1`` prefetched.
+        piece_bytes: the most bytes of state one launch updates (one work item's state at least).
     """
 
-    def __init__(self, optimizer, slots: int = DEFAULT_SLOTS):
+    def __init__(self, optimizer, slots: int | None = None, piece_bytes: int | None = None):
+        slots = DEFAULT_SLOTS if slots is None else slots
+        if slots < 2:
+            raise ValueError(f"state offload needs at least 2 slots, got {slots}")
         self.optimizer = optimizer
         self.slots = [_Slot() for _ in range(slots)]
+        self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self.device: torch.device | None = None
         self._h2d = self._d2h = None  # side streams (CUDA)
-        self._order: list[tuple[tuple, list]] = []  # the last finished step's buckets: (key, params), in order
-        self._now: list[tuple[tuple, list]] = []  # this step's so far
-        self._host_ready: dict[int, object] = {}  # id(param) -> event after its state's last copy out (CUDA)
+        self._order: list[tuple[_Piece, dict]] = []  # the last finished step's pieces and their groups, in order
+        self._now: list[tuple[_Piece, dict]] = []  # this step's so far
+        self._launched: set[tuple] = set()  # keys of this step's pieces
+        self._cuts: dict[tuple, tuple[object, list[_Piece]]] = {}  # (launch key, plan index) -> (plan, its pieces)
+        # id(param) -> {(key, first unit, end unit): event after that range's last copy out} (CUDA)
+        self._host_ready: dict[int, dict[tuple, object]] = {}
         self.bytes_in = 0  # bytes copied host -> device since construction
         self.bytes_out = 0  # bytes copied device -> host
-        self.hits = 0  # launches whose state was on the device already (prefetched or resident)
-        self.misses = 0  # launches that had to copy their state in first
+        self.hits = 0  # pieces whose state was on the device already (prefetched or resident)
+        self.misses = 0  # pieces that had to copy their state in first
 
     # ---- placement -------------------------------------------------------------------------------------------
 
@@ -139,111 +172,159 @@ class StateOffload:
 
     # ---- one launch ------------------------------------------------------------------------------------------
 
-    def stage(self, group: dict, params: list[torch.Tensor], key: tuple) -> tuple[int, dict[int, dict]]:
-        """Make the state of bucket ``key`` (``params`` of ``group``) ready on the device for a launch on the current
-        stream: ``(slot index, id(param) -> staged state dict)``. Each staged dict holds the slot's views and the
-        host dict's ``"step"``."""
-        self._bind(params[0].device)
-        pos = len(self._now)
-        self._now.append((key, params))
-        index = next((i for i, s in enumerate(self.slots) if s.key == key), None)
+    def stager(self, group: dict, key: tuple):
+        """What the Triton engine's ``step_group(stager=...)`` calls for each launch plan of launch ``key`` (the ids
+        of its params) of ``group``: ``stage(plan, params, index)`` yields ``(programs, state table)`` per piece, the
+        state of that piece staged on the device for a launch on the current stream; when the engine asks for the next
+        piece, the last one's launch is queued and its slot is copied back."""
+
+        def stage(plan, params: list[torch.Tensor], index: int):
+            self._bind(params[0].device)
+            for piece in self._cut(plan, params, (key, index)):
+                i = self._stage(group, piece)
+                slot = self.slots[i]
+                base = slot.buffer.data_ptr()
+                table = piece.tables.get(i)
+                if table is None or table[0] != base:
+                    bases: list[dict[str, int]] = [{} for _ in range(piece.tensors)]
+                    for j, _, k, u0, _, b, off in piece.ranges:
+                        bases[j][k] = base + off - u0 * b  # the address of unit 0: the piece's units land in the slot
+                    table = piece.tables[i] = (base, plan.state_table(bases))
+                yield piece.programs, table[1]
+                self._done(slot, piece)
+
+        return stage
+
+    def _cut(self, plan, params: list[torch.Tensor], key: tuple) -> list[_Piece]:
+        """The pieces of ``plan`` (its ``params`` in plan order): consecutive work items, each piece's state at most
+        ``piece_bytes`` (at least one work item), cut again only when the plan is another one."""
+        cached = self._cuts.get(key)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        states = [self.optimizer.state[p] for p in params]
+        starts, per_item = plan.chunk_starts, plan.chunk_elements
+        pieces, ranges, members, size, first = [], [], [], 0, 0
+
+        def close(end: int) -> None:
+            nonlocal ranges, members, size, first
+            if end > first:
+                pieces.append(_Piece(key + (first, end), (first, end), ranges, members, len(params)))
+            ranges, members, size, first = [], [], 0, end
+
+        for j, (p, s) in enumerate(zip(params, states)):
+            n = p.numel()
+            tensors = [(k, s[k].view(-1)) for k in _tensor_keys(s)]
+            unit = {k: (1 if t.numel() == n else st.SCALE_BLOCKS[plan.fmt], t.element_size()) for k, t in tensors}
+            item_bytes = sum(_align(per_item // u * b) for u, b in unit.values())  # a bound with alignment
+            c, c1 = int(starts[j]), int(starts[j + 1])
+            while c < c1:
+                take = min(c1 - c, max((self.piece_bytes - size) // item_bytes, 0))
+                if take == 0:
+                    if c > first:
+                        close(c)
+                        continue
+                    take = 1  # one work item is the least a launch covers
+                e0, e1 = (c - int(starts[j])) * per_item, min((c + take - int(starts[j])) * per_item, n)
+                for k, _ in tensors:
+                    u, b = unit[k]
+                    u0, u1 = e0 // u, -(-e1 // u)
+                    ranges.append((j, p, k, u0, u1, b, size))
+                    size += _align((u1 - u0) * b)
+                members.append(p)
+                c += take
+                if c < c1:  # a tensor is one range per piece: its state's addresses are one base per launch
+                    close(c)
+        close(int(starts[-1]))
+        self._cuts[key] = (plan, pieces)
+        return pieces
+
+    def _stage(self, group: dict, piece: _Piece) -> int:
+        """Make the state of ``piece`` ready on the device for a launch on the current stream; its slot's index."""
+        self._now.append((piece, group))
+        self._launched.add(piece.key)
+        index = next((i for i, s in enumerate(self.slots) if s.key == piece.key), None)
         if index is None:
             self.misses += 1
-            index = pos % len(self.slots)
-            self._copy_in(index, group, key, params)
+            index = (len(self._now) - 1) % len(self.slots)
+            self._copy_in(index, group, piece)
         else:
             self.hits += 1
         slot = self.slots[index]
-        self._drop_overlaps(index, key)
+        self._drop_overlaps(index, piece)
         if slot.copied_in is not None:  # (the copy in itself waited for the slot's last copy out)
             torch.cuda.current_stream(self.device).wait_event(slot.copied_in)
         elif slot.copied_out is not None:  # resident: the launch must not write while its last copy out reads
             torch.cuda.current_stream(self.device).wait_event(slot.copied_out)
-        host = self.optimizer.state
-        staged = {id(p): {"step": host[p]["step"], **slot.views[id(p)]} for p in params}
-        return index, staged
+        return index
 
-    def done(self, index: int, params: list[torch.Tensor], staged: dict[int, dict]) -> None:
-        """After the launch that updated slot ``index``: copy it back to the host copies (on the copy-out stream, once
-        the launch is done), take over the step counters the engine set, and prefetch the next buckets."""
-        slot = self.slots[index]
+    def _done(self, slot: _Slot, piece: _Piece) -> None:
+        """After the launch that updated ``slot``: copy it back to the host copies (on the copy-out stream, once the
+        launch is done), and prefetch the next pieces."""
         host = self.optimizer.state
-        pairs = []
-        for p in params:
-            s, h = staged[id(p)], host[p]
-            h["step"] = s["step"]
-            pairs += [(h[k], s[k]) for k in slot.views[id(p)]]
-        nbytes = sum(d.numel() * d.element_size() for d, _ in pairs)
+        pairs = [(host[p][k].view(-1)[u0:u1], slot.buffer[off : off + (u1 - u0) * b]) for _, p, k, u0, u1, b, off in
+                 piece.ranges]
         if self._d2h is None:
             for dst, src in pairs:
-                dst.copy_(src)
+                dst.view(torch.uint8).copy_(src)
         else:
             launched = torch.cuda.Event()
             launched.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(launched)
                 for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
+                    dst.view(torch.uint8).copy_(src, non_blocking=True)
                 out = slot.copied_out = torch.cuda.Event()
                 out.record(self._d2h)
-            for p in params:
-                self._host_ready[id(p)] = out
+            for _, p, k, u0, u1, _, _ in piece.ranges:
+                self._host_ready.setdefault(id(p), {})[(k, u0, u1)] = out
         slot.copied_in = None  # the slot holds the updated state: it stays valid until overwritten
-        self.bytes_out += nbytes
+        self.bytes_out += piece.size
         self._prefetch(len(self._now))
 
     def end_step(self) -> None:
-        """The step is over: its buckets become the order to expect, and the first buckets of the next step are
+        """The step is over: its pieces become the order to expect, and the first pieces of the next step are
         prefetched."""
         if self._now:
             self._order, self._now = self._now, []
+        self._launched = set()
         self._prefetch(0)
 
     # ---- copies ----------------------------------------------------------------------------------------------
 
     def _prefetch(self, start: int) -> None:
-        """Copy in the buckets at positions ``start .. start + slots - 2`` of the expected order (those of the last
+        """Copy in the pieces at positions ``start .. start + slots - 2`` of the expected order (those of the last
         step), each into slot ``position % slots``, unless it is on the device already."""
         if not self._order or self.device is None:
             return
         for pos in range(start, min(start + len(self.slots) - 1, len(self._order))):
-            key, params = self._order[pos]
-            if any(s.key == key for s in self.slots):
-                continue
-            if any(key == k for k, _ in self._now):
+            piece, group = self._order[pos]
+            if piece.key in self._launched:
                 continue  # launched already in this step (the order changed): nothing to prefetch
-            group = self.optimizer.param_groups[self.optimizer._group_slot(params[0])[0]]
-            self._copy_in(pos % len(self.slots), group, key, params)
+            if any(s.key == piece.key for s in self.slots):
+                continue
+            self._copy_in(pos % len(self.slots), group, piece)
 
-    def _copy_in(self, index: int, group: dict, key: tuple, params: list[torch.Tensor]) -> None:
-        """Copy the host state of ``params`` into slot ``index`` (growing it if needed), after the slot's last copy
-        out and the bucket's own last copy out."""
+    def _copy_in(self, index: int, group: dict, piece: _Piece) -> None:
+        """Copy the host state of ``piece`` into slot ``index`` (growing it if needed), after the slot's last copy
+        out and the last copy out of the same elements' state."""
         slot = self.slots[index]
-        states = [self.host_state(p, group) for p in params]
-        layout, size = [], 0
-        for p, s in zip(params, states):
-            for k in _tensor_keys(s):
-                t = s[k]
-                layout.append((id(p), k, t, size))
-                size = _align(size + t.numel() * t.element_size())
-        fresh = slot.buffer is None or slot.buffer.numel() < size
+        host = self.optimizer.state
+        for p in piece.params:
+            self.host_state(p, group)
+        fresh = slot.buffer is None or slot.buffer.numel() < piece.size
         if fresh:
-            grown = max([size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
+            grown = max([piece.size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
             slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
-        views: dict[int, dict[str, torch.Tensor]] = {}
-        dst, src = [], []
-        for pid, k, t, off in layout:
-            nbytes = t.numel() * t.element_size()
-            view = slot.buffer[off : off + nbytes].view(t.dtype).view(t.shape)
-            views.setdefault(pid, {})[k] = view
-            dst.append(view)
-            src.append(t)
-        slot.key, slot.views = key, views
+        pairs = [
+            (slot.buffer[off : off + (u1 - u0) * b], host[p][k].view(-1)[u0:u1].view(torch.uint8))
+            for _, p, k, u0, u1, b, off in piece.ranges
+        ]
+        slot.key, slot.piece = piece.key, piece
         if self._h2d is None:
-            for d, s in zip(dst, src):
+            for d, s in pairs:
                 d.copy_(s)
         else:
             compute = torch.cuda.current_stream(self.device)
@@ -252,21 +333,35 @@ class StateOffload:
                     self._h2d.wait_stream(compute)
                 if slot.copied_out is not None:
                     self._h2d.wait_event(slot.copied_out)
-                # the parameters' last copies out (a parameter may have been in another bucket then)
-                for ready in {id(e): e for e in map(self._host_ready.get, key) if e is not None}.values():
+                for ready in self._ready_events(piece).values():
                     self._h2d.wait_event(ready)
-                for d, s in zip(dst, src):
+                for d, s in pairs:
                     d.copy_(s, non_blocking=True)
                 slot.copied_in = slot.copied_in or torch.cuda.Event()
                 slot.copied_in.record(self._h2d)
-        self.bytes_in += sum(t.numel() * t.element_size() for t in src)
+        self.bytes_in += piece.size
 
-    def _drop_overlaps(self, index: int, key: tuple) -> None:
-        """Forget every other slot's copy of a parameter of ``key``: the launch about to run makes it stale."""
-        ids = set(key)
+    def _ready_events(self, piece: _Piece) -> dict[int, object]:
+        """The events of the last copies out of host state that ``piece`` reads (by id, each once)."""
+        events = {}
+        for _, p, k, u0, u1, _, _ in piece.ranges:
+            for (k2, v0, v1), e in self._host_ready.get(id(p), {}).items():
+                if k2 == k and v0 < u1 and u0 < v1:
+                    events[id(e)] = e
+        return events
+
+    def _drop_overlaps(self, index: int, piece: _Piece) -> None:
+        """Forget every other slot's copy of state that ``piece`` updates: the launch about to run makes it stale."""
+        mine = {}
+        for _, p, k, u0, u1, _, _ in piece.ranges:
+            mine.setdefault((id(p), k), []).append((u0, u1))
         for i, s in enumerate(self.slots):
-            if i != index and s.key is not None and not ids.isdisjoint(s.key):
-                s.key, s.views = None, {}
+            if i == index or s.piece is None:
+                continue
+            for _, p, k, u0, u1, _, _ in s.piece.ranges:
+                if any(v0 < u1 and u0 < v1 for v0, v1 in mine.get((id(p), k), ())):
+                    s.key, s.piece = None, None
+                    break
 
     # ---- outside the step ------------------------------------------------------------------------------------
 
@@ -276,16 +371,18 @@ class StateOffload:
             self._d2h.synchronize()
 
     def invalidate(self) -> None:
-        """Forget what the slots hold and the learned order (the host state was replaced: ``load_state_dict``)."""
+        """Forget what the slots hold, the learned order and the cuts (the host state was replaced:
+        ``load_state_dict``)."""
         self.sync()
         for s in self.slots:
-            s.key, s.views, s.copied_in = None, {}, None
-        self._order, self._now = [], []
+            s.key, s.piece, s.copied_in = None, None, None
+        self._order, self._now, self._launched = [], [], set()
+        self._cuts.clear()
         self._host_ready.clear()
 
     def abandon_step(self) -> None:
         """A backward pass that did not reach ``step()``: its launches so far are not an order to learn."""
-        self._now = []
+        self._now, self._launched = [], set()
 
     def device_bytes(self) -> int:
         """Bytes of the device buffers."""

@@ -60,11 +60,14 @@ What needs every gradient at once, and what happens to it here:
   before ``step()`` raises an error before anything of that backward pass is updated.
 * fp16 with a GradScaler: refused (the scaled gradients would be applied before the scaler could unscale them or
   skip the step); train in bf16.
-* skipping a step on inf/NaN: not possible, the tensors released before a non-finite gradient are already updated.
-  Without clipping a non-finite gradient makes its own tensor's update non-finite and no other (as ``step()`` does).
-  With clipping, the norm becomes non-finite from that bucket on: its tensor is updated with a non-finite gradient
-  and the later buckets with a zero gradient (their moments decay, weight decay applies) instead of a non-finite one.
-  ``grad_norm`` reports the inf/NaN.
+* skipping a whole step on inf/NaN: not possible, the buckets released before a non-finite gradient are already
+  updated. What is possible is done: as in ``step()``, every engine leaves a block of 256 elements with a non-finite
+  gradient un-updated (parameter, moments, scales; ``reference.nonfinite_blocks``) and counts it
+  (:mod:`apexw_hf.optim.nonfinite`). With clipping, the step's running sum of squares is not finite from that bucket
+  on, and the clip coefficient is then NaN: that bucket and every later one of the step are left un-updated, so a NaN
+  loss (every gradient NaN) skips the step whole, and a single bad tensor skips the step from its bucket on.
+  ``grad_norm`` reports the inf/NaN; the next step's clipping estimate ignores that norm (``sqrt(S)`` where the
+  shares of a non-finite step are unknown, a lower bound of the norm).
 * DDP: refused (the hooks would see this rank's gradient before the all-reduce). FSDP2 is supported: it calls the
   hooks of the sharded parameters after the reduce-scatter, and the norm is reduced over the mesh.
 """
@@ -588,8 +591,10 @@ def release_norm_torch(
     ``cum[k]`` = ``cum[k - 1]`` (0 for the first bucket) + the bucket's sum of squares. With ``max_norm``, the step's
     norm estimate ``N``: with the previous step's running sums ``prev_cum`` (holding entry ``k``) and norm, the share
     ``s = prev_cum[k] / prev_norm**2`` and ``N = sqrt(max(S / s, S))`` (``sqrt(S)`` where ``s`` is not positive);
-    without them ``N = max(sqrt(S), prev_norm)`` (``sqrt(S)`` on the first step). ``coef`` = ``min(1, max_norm / (N +
-    1e-6))``, 0 where that is NaN; ``coef_lo`` the same rounded to its dtype."""
+    without them ``N = max(sqrt(S), prev_norm)`` (``sqrt(S)`` on the first step, or after a step whose norm was not
+    finite). ``coef`` = ``min(1, max_norm / (N + 1e-6))``, 0 where that is NaN, and NaN where ``S`` is not finite (a
+    non-finite gradient in this step so far: the gradients it multiplies become NaN, so the engines leave their blocks
+    un-updated); ``coef_lo`` the same rounded to its dtype."""
     sq = parts.sum() if squared else parts.square().sum()
     s = sq if k == 0 else cum[k - 1] + sq
     cum[k] = s
@@ -601,9 +606,11 @@ def release_norm_torch(
     else:
         norm = s.sqrt()
         if prev_norm is not None:
-            norm = torch.maximum(norm, prev_norm[0])
+            prev = prev_norm[0]
+            norm = torch.maximum(norm, torch.where(prev < float("inf"), prev, 0.0))
     value = torch.div(torch.full_like(norm, max_norm), norm + 1e-6)
     value = torch.nan_to_num(torch.where(value > 1.0, 1.0, value), nan=0.0)
+    value = torch.where(s < float("inf"), value, float("nan"))
     coef.copy_(value.reshape(1))
     coef_lo.copy_(value.reshape(1))
 

@@ -184,6 +184,40 @@ def _resume_with_clipping(world, rank, out, data, full):
     return {"equal": all(torch.equal(a, b) for a, b in zip(unbroken, resumed)), "norm_restored": restored}
 
 
+def _poisoned(world, fmt, data, release):
+    """A NaN loss at the second of four steps, ordinary steps (clipped by clip_grad_norm_) or release with clipping:
+    that step leaves every rank's shards and state as they were, each rank counts it, and the run goes on finite."""
+    model = w.sharded(world)
+    kw = dict(gradient_release=True, max_grad_norm=0.05, release_bucket_size=BUCKET) if release else {}
+    opt = ApexW(model.parameters(), lr=3e-3, state_format=fmt, **kw)
+    unchanged = moved_after = None
+    for i, (x, y) in enumerate(data):
+        loss = _loss(model, x, y)
+        before = w.snapshot(model, opt)
+        if i == 1:
+            loss = loss * float("nan")
+        loss.backward()
+        if not release:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        after = w.snapshot(model, opt)
+        same = all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
+        same &= all(
+            all(torch.equal(x, t[k]) for k, x in s.items() if k != "step" and isinstance(x, torch.Tensor))
+            for s, t in zip(before["state"], after["state"])
+        )
+        if i == 1:
+            unchanged = same
+        if i == 2:
+            moved_after = not same
+    final = w.snapshot(model, opt)
+    finite = all(torch.isfinite(p).all() for p in final["params"]) and all(
+        torch.isfinite(v.float()).all() for s in final["state"] for v in s.values() if isinstance(v, torch.Tensor)
+    )
+    return {"unchanged": unchanged, "moved_after": moved_after, "finite": finite, "skipped": opt.nonfinite_skipped}
+
+
 def _fsdp_release(rank, world, store, out):
     w.init(rank, world, store)
     data = w.batches(4, rank, world)
@@ -192,6 +226,8 @@ def _fsdp_release(rank, world, store, out):
         result[f"clip_{bucket}"] = _clipped_norms(world, bucket, data)
     for full in (False, True):
         result[f"resume_{full}"] = _resume_with_clipping(world, rank, out, data, full)
+    for release in (False, True):
+        result[f"poisoned_{release}"] = _poisoned(world, "8bit", data, release)
     result["ddp"] = _ddp_release(world, rank)  # last: the refused backward leaves DDP's reducer mid-step
     w.save_result(out, rank, result)
     w.finish()
@@ -237,6 +273,15 @@ def test_fsdp2_release_resume_with_clipping_is_exact(fsdp_results, full):
         res = r[f"resume_{full}"]
         assert res["norm_restored"], "the clipping state (previous norm, partial sums) was lost in the checkpoint"
         assert res["equal"]
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["step", "release"])
+def test_fsdp2_poisoned_batch_is_skipped_on_every_rank(fsdp_results, release):
+    """The non-finite count is per rank (documented): a NaN loss reaches every rank's gradients, so each counts 1."""
+    for r in fsdp_results:
+        res = r[f"poisoned_{release}"]
+        assert res["unchanged"] and res["moved_after"] and res["finite"]
+        assert res["skipped"] == 1
 
 
 def _ddp_release(world, rank):

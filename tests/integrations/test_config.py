@@ -244,8 +244,12 @@ def test_optim_args_values():
         "release_bucket_size",
         "tied_grad_offload",
         "state_offload",
+        "nonfinite",
     }
     assert parse_optim_args("state_offload=true", "apexw_8bit") == {"state_offload": True}
+    assert parse_optim_args("nonfinite=RAISE", "apexw_8bit") == {"nonfinite": "raise"}
+    with pytest.raises(ValueError, match="nonfinite='ignore' is not allowed; nonfinite must be one of skip, raise"):
+        parse_optim_args("nonfinite=ignore", "apexw_8bit")
     assert parse_optim_args("gradient_release=true, tied_grad_offload=YES", "apexw_4bit") == {
         "gradient_release": True,
         "tied_grad_offload": True,

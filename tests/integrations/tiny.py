@@ -61,8 +61,11 @@ def make_model(lora: bool = True, seed: int = 0, modules_to_save: list[str] | No
 
 
 def token_dataset(n: int = 32, seed: int = 0):
-    """Pre-tokenized rows (input_ids, attention_mask, labels) following a learnable pattern."""
-    from datasets import Dataset
+    """Pre-tokenized rows (input_ids, attention_mask, labels) following a learnable pattern. Skips the calling test
+    where ``datasets`` is not installed (a GPU host's image may lack it; the project's dev install has it)."""
+    import pytest
+
+    Dataset = pytest.importorskip("datasets").Dataset
 
     g = torch.Generator().manual_seed(seed)
     rows = []

@@ -23,17 +23,22 @@ SIGNATURE = {
     "cstart_ptr": "*i32",
     "gfirst_ptr": "*i32",
     "addr_ptr": "*i64",
+    "state_ptr": "*i64",
     "numel_ptr": "*i64",
     "tkey_ptr": "*i32",
     "tstep_ptr": "*i32",
     "num_work": "i32",
     "num_tensors": "i32",
+    "first_program": "i32",
     "mixed_step": "i32",
     **{
         k: "fp32"
         for k in ("step_size", "inv_bc2_sqrt", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "decay", "eps")
     },
     "gscale_ptr": "*fp32",
+    "nf_ptr": "*i32",
+    "tidx_ptr": "*i32",
+    "serial": "i32",
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 FORMATS = ("fp32", "compact", "8bit", "4bit")
@@ -70,6 +75,7 @@ def _spec(fmt, p, g, **kw):
         EVEN=True,
         ROWS=8,
         GRAD_SCALE=False,
+        SKIP_NONFINITE=True,
     )
     spec.update(kw)
     return spec
@@ -78,7 +84,8 @@ def _spec(fmt, p, g, **kw):
 def specializations():
     """(constexprs, num_warps): every format x param dtype x grad dtype on the fast path (whole blocks, aligned), the
     launch tiles, and the other paths: element-wise (unaligned, partial blocks), rounding to nearest, maximize, per
-    tensor steps, the gradients scaled first (gradient release's clip; each gradient dtype, the launch tile)."""
+    tensor steps, the gradients scaled first (gradient release's clip; each gradient dtype, the launch tile), and the
+    kernel without its non-finite check (benchmarks only)."""
     for fmt, p, g in itertools.product(FORMATS, DTYPES, DTYPES):
         yield _spec(fmt, p, g), 8
     for fmt, g in itertools.product(FORMATS, DTYPES):
@@ -103,6 +110,7 @@ def specializations():
         yield _spec(fmt, "fp16", "fp32", STOCHASTIC_PARAM=False, EVEN=False), 8
         yield _spec(fmt, "bf16", "fp32", STOCHASTIC_PARAM=False, ROWS=1), 1  # nearest, whole blocks
         yield _spec(fmt, "bf16", "bf16", ALIGNED=False, ROWS=1), 1  # whole blocks, unaligned
+        yield _spec(fmt, "bf16", "bf16", ROWS=1, SKIP_NONFINITE=False), 1  # the benchmark's kernel without the check
 
 
 def release_norm_specializations():
@@ -192,7 +200,9 @@ def main(cc: int) -> int:
         name = (
             f"{spec['FMT']} p={spec['P_DTYPE']} g={spec['G_DTYPE']} max={spec['MAXIMIZE']} "
             f"sr={spec['STOCHASTIC_PARAM']} per_tensor={spec['PER_TENSOR_STEP']} aligned={spec['ALIGNED']} "
-            f"even={spec['EVEN']} tile={spec['ROWS']}x{warps}" + (" grad_scale" if spec["GRAD_SCALE"] else "")
+            f"even={spec['EVEN']} tile={spec['ROWS']}x{warps}"
+            + (" grad_scale" if spec["GRAD_SCALE"] else "")
+            + ("" if spec["SKIP_NONFINITE"] else " no_nonfinite_check")
         )
         print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
     return failures

@@ -8,7 +8,6 @@ import torch
 
 from apexw_hf.accounting import optimizer_state_placement
 from apexw_hf.optim import ApexW
-from apexw_hf.optim import base as base_mod
 from apexw_hf.optim import offload as offload_mod
 
 from ..optim.test_gradient_release import groups, make, train, train_from
@@ -22,10 +21,17 @@ def _opt(model, fmt, offload, release, clip=None, bucket=300):
     return ApexW(groups(model), lr=2e-2, state_format=fmt, engine="triton", state_offload=offload, **kw)
 
 
+PIECE = 1500  # bytes of state per launch in these tests: most tensors of the tiny model are cut into pieces
+
+
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """step() launches of at most 300 elements under offload: several chunks per param group on the tiny model."""
-    monkeypatch.setattr(base_mod, "STEP_CHUNK", 300)
+    """Launches of at most PIECE bytes of state under offload: several pieces per tensor of the tiny model."""
+    monkeypatch.setattr(offload_mod, "PIECE_BYTES", PIECE)
+
+
+def _pieces(off):
+    return [piece for piece, _ in off._order]
 
 
 def _same(a, b, oa, ob):
@@ -49,8 +55,11 @@ def test_offloaded_state_gives_the_same_bits(fmt, mode, small_chunks):
     train(b, ob, 4)
     _same(a, b, oa, ob)
     off = ob._offload
-    # more launches per step than device buffers, so buffers were reused and later launches were prefetched
+    # more launches per step than device buffers, so buffers were reused and later launches were prefetched; some
+    # tensor's state went through in several pieces
     assert len(off._order) > len(off.slots) + 2
+    cut = [id(p) for piece in _pieces(off) for p in piece.params]
+    assert len(cut) > len(set(cut))
     assert off.hits > 0 and off.misses >= len(off._order)
     # every state tensor lives in host memory; the device holds the buffers only
     for entry in ob.state.values():
@@ -73,10 +82,12 @@ def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_ch
         train(model, opt, 3)
         assert off.misses == first  # later steps: every launch found its state on the device
         assert off.hits == 3 * len(off._order)
-        # the device holds `slots` buffers, each the size of the largest launch's state
-        largest = max(sum(opt.state[p][k].numel() * opt.state[p][k].element_size() for p in params
-                          for k in opt.state[p] if k != "step") for _, params in off._order)
-        assert off.device_bytes() <= len(off.slots) * (largest + 256 * 12)
+        # the device holds `slots` buffers, each the size of the largest piece, which is at most PIECE bytes (one
+        # work item of 256 elements takes 4 x 256 bytes of 8-bit state with alignment) though whole tensors hold more
+        largest = max(piece.size for piece in _pieces(off))
+        assert off.device_bytes() == len(off.slots) * largest
+        assert largest <= PIECE
+        assert max(sum(s[k].numel() * s[k].element_size() for k in s if k != "step") for s in opt.state.values()) > PIECE
 
 
 def test_a_changed_order_falls_back_to_copies_and_keeps_the_bits(small_chunks):
@@ -184,3 +195,37 @@ def test_offload_names_through_the_trainer(tmp_path, accumulate):
     assert logs[-1]["optimizer_state_host_mib"] * 2**20 == opt.state_bytes()
     assert logs[-1]["optimizer_state_device_mib"] * 2**20 == opt.staging_bytes() > 0
     assert [h["loss"] for h in logs] == [h["loss"] for h in trainers[0].state.log_history if "loss" in h]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("release", [False, True])
+def test_pieces_across_tensor_boundaries_give_the_same_bits(fmt, release, monkeypatch):
+    """bf16 tensors of whole 256-element rows (the kernel's aligned word path) and pieces of several work items that
+    end inside one tensor and start inside the next: each piece holds a tensor once, and the bits are those without
+    offload (a piece that held two ranges of one tensor read the first range's state from the wrong place)."""
+    monkeypatch.setattr(offload_mod, "PIECE_BYTES", 20000)  # 4 to 26 work items, by format
+    sizes = (16384, 1024, 4096, 256)
+    runs = []
+    for offload in (False, True):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(n, dtype=torch.bfloat16, device=DEVICE)) for n in sizes]
+        kw = dict(gradient_release=True, release_bucket_size=10**9, max_grad_norm=1.0) if release else {}
+        opt = ApexW(ps, lr=1e-2, state_format=fmt, engine="triton", state_offload=offload, **kw)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            noise = [torch.randn(p.shape, generator=g).to(DEVICE) for p in ps]
+            if release:
+                sum((p.float() * n).sum() for p, n in zip(ps, noise)).backward()
+            else:
+                for p, n in zip(ps, noise):
+                    p.grad = n.to(torch.bfloat16)
+            opt.step()
+            opt.zero_grad()
+        runs.append((ps, opt))
+    (a, _), (b, ob) = runs
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    pieces = _pieces(ob._offload)
+    assert any(len({id(p) for p in piece.params}) > 1 for piece in pieces)  # some piece spans two tensors
+    assert any(len(piece.params) == 1 and piece.programs[1] - piece.programs[0] > 1 for piece in pieces)
+    for piece in pieces:
+        assert len(piece.params) == len({id(p) for p in piece.params})

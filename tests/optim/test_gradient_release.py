@@ -426,20 +426,32 @@ def test_bad_release_arguments(kwargs, match):
         ApexW([torch.nn.Parameter(torch.ones(2))], **kwargs)
 
 
-def test_nonfinite_gradient_with_clipping_stays_in_its_tensor_and_later_buckets():
-    """A NaN gradient: its tensor's update is NaN; with clipping, later buckets get a zero gradient (no NaN)."""
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_nonfinite_gradient_skips_its_block_and_with_clipping_the_rest_of_the_step(clip):
+    """A NaN gradient in b: b is not updated; the bucket before it (c) is; with clipping the bucket after it (a, whose
+    gradient is finite) is not updated either (the clip coefficient is NaN from b's bucket on), without clipping it
+    is. The weights and the state stay finite; the next step clips and updates normally."""
     a = torch.nn.Parameter(torch.ones(4))
     b = torch.nn.Parameter(torch.ones(4))
     c = torch.nn.Parameter(torch.ones(4))
     opt = ApexW(
-        [a, b, c], lr=0.1, state_format="fp32", gradient_release=True, max_grad_norm=1.0, release_bucket_size=1
+        [a, b, c], lr=0.1, state_format="fp32", gradient_release=True, max_grad_norm=clip, release_bucket_size=1
     )
     # backward reaches c first, then b (NaN), then a
-    (a.sum() * float("nan") * 0 + (b * torch.tensor([1.0, float("nan"), 1.0, 1.0])).sum() + c.sum()).backward()
-    opt.step()
-    assert torch.isfinite(c).all() and not torch.equal(c.detach(), torch.ones(4))
-    assert torch.isnan(b).any()
+    first = 0 if clip else 1  # with clipping a's gradient is NaN too when the optimizer gets it
+    with pytest.warns(RuntimeWarning, match=rf"non-finite gradient .* parameter {first}, shape \(4,\)"):
+        (a.sum() + (b * torch.tensor([1.0, float("nan"), 1.0, 1.0])).sum() + c.sum()).backward()
+        opt.step()
+    assert not torch.equal(c.detach(), torch.ones(4))
+    assert torch.equal(b.detach(), torch.ones(4)) and not opt.state[b]["exp_avg"].any()
+    assert torch.equal(a.detach(), torch.ones(4)) == (clip is not None)
     assert torch.isnan(opt.grad_norm)
+    assert opt.nonfinite_skipped == 1
+    before = [p.detach().clone() for p in (a, b, c)]
+    (a.sum() + b.sum() + c.sum()).backward()
+    opt.step()
+    assert all(not torch.equal(p.detach(), q) and torch.isfinite(p).all() for p, q in zip((a, b, c), before))
+    assert torch.isfinite(opt.grad_norm) and opt.nonfinite_skipped == 1
 
 
 def test_remove_release_hooks_returns_to_ordinary_steps():

@@ -223,8 +223,12 @@ def test_special_values(small_chunks, fmt, dtype):
     opt_a, pa, opt_b, pb = _twins(values, dtype, state_format=fmt, lr=1e-3, seed=5)
     _run(opt_a, pa, opt_b, pb, steps)
     assert_same(opt_a, pa, opt_b, pb)
-    assert torch.isnan(pa[0].detach()).any()  # the NaN did arrive
-    assert torch.isfinite(pa[2].detach()).all()  # and stayed in its tensor
+    # the blocks with an inf (768, 800: one block; 1290) or a NaN (1030) gradient were skipped, as the reference does;
+    # in fp16 the gradient 1e30 (block 2) is an inf at every step
+    fp16 = dtype == torch.float16
+    assert opt_a.nonfinite_skipped == (4 if fp16 else 2)
+    assert opt_a._nonfinite._read()[torch.device("cpu")][2] == (7 if fp16 else 3)  # blocks of tensor index 0
+    assert torch.isfinite(pa[2].detach()).all()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

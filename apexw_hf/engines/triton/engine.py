@@ -55,21 +55,10 @@ def _shapes_devices(params: list[torch.Tensor]) -> tuple[list, list]:
     return list(map(_SHAPE, params)), list(map(_DEVICE, params))
 
 
-def _staged(states: dict[int, dict], ids: list[int]) -> list[dict]:
-    """The state dicts of ``ids`` in ``states`` (``step_group``'s argument), or an error naming what is missing."""
-    try:
-        return [states[i] for i in ids]
-    except KeyError:
-        raise ValueError(
-            "step_group(states=...): a parameter of the launch has no state dict in 'states'; staged state must cover "
-            "every parameter of the bucket"
-        ) from None
-
-
 class _GroupCache:
     """Launch plans and step counters of the stepping params of one param group."""
 
-    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor], states=None):
+    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor], streamed=False):
         from .kernels import LaunchPlan
 
         opt = engine.optimizer
@@ -78,7 +67,8 @@ class _GroupCache:
         self.slot_of = {id(p): i for i, p in enumerate(members)}
         self.fmt = group["state_format"]
         self.seed = group["seed"]
-        states = [opt.state[p] for p in members] if states is None else _staged(states, self.member_ids)
+        self.streamed = streamed  # the plans take their state addresses per launch (state offload)
+        states = [opt.state[p] for p in members]
         # Step counters: views into one buffer (values copied from whatever the states held).
         self.steps = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
         self.steps_np = self.steps.numpy()
@@ -94,13 +84,16 @@ class _GroupCache:
             # FSDP2 DTensor params: the kernel steps the local shards (block scales cut to the local block count).
             plan = LaunchPlan(
                 [dt.local(members[i]) for i in slots],
-                [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],
+                None
+                if streamed
+                else [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],
                 self.fmt,
                 [opt._tensor_index(members[i]) for i in slots],
                 self.seed,
                 gdt,
             )
             self.plans.append((plan, slots, np.asarray(slots, dtype=np.int64)))
+        self.plan_members = [[members[i] for i in slots] for _, slots, _ in self.plans]
         self.grad_ptrs: list[int] | None = None
 
 
@@ -164,7 +157,12 @@ class TritonEngine:
         raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
 
     def _rebuild(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None, states=None
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        bucket: object = None,
+        streamed: bool = False,
     ) -> _GroupCache:
         opt = self.optimizer
         self._check_device(params[0])
@@ -185,7 +183,7 @@ class TritonEngine:
         for p, g in zip(params, grads):
             self._check_grad(p, g)
             opt._init_state(p, group)
-        cache = _GroupCache(self, group, members, member_grads, states)
+        cache = _GroupCache(self, group, members, member_grads, streamed)
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
         # that hold it would count on a stale buffer, so they go (gradient release may regroup tensors into buckets).
         for key in [k for k, c in self._cache.items() if k[0] == id(group) and k[1] != bucket]:
@@ -236,7 +234,7 @@ class TritonEngine:
         grads: list[torch.Tensor],
         bucket: object = None,
         before_launch: Callable[[list], torch.Tensor | None] | None = None,
-        states: dict[int, dict] | None = None,
+        stager: Callable | None = None,
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
@@ -245,10 +243,11 @@ class TritonEngine:
         its own launch plan, so one launch covers exactly its tensors. ``before_launch(plans)`` is called with the
         launch plans once their gradient addresses are set, before their launches (gradient release computes the
         bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
-        the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``states``:
-        ``id(param) -> state dict`` of every param stepped, to update instead of ``optimizer.state[param]`` (state
-        offload stages the state of each launch in a device buffer; the plans then take these tensors' addresses, and a
-        rebuild makes these dicts' ``"step"`` the views into the step counters, which the caller keeps).
+        the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``stager``: the
+        state lives elsewhere and is staged on the device per launch (state offload): ``stager(plan, params, index)``
+        of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, state table)``,
+        the plan is launched over those work items with the state addresses of that table
+        (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
         """
         if not params:
             return
@@ -265,10 +264,10 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads, bucket, states)
+                cache = self._rebuild(group, params, grads, bucket, stager is not None)
                 full = ids == cache.member_ids
-        if group["state_format"] != cache.fmt or group["seed"] != cache.seed:
-            cache = self._rebuild(group, params, grads, bucket, states)
+        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != (stager is not None):
+            cache = self._rebuild(group, params, grads, bucket, stager is not None)
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
         moved = slot_ptrs != cache.grad_ptrs
@@ -283,7 +282,7 @@ class TritonEngine:
                 for i, d in zip(ids, got):
                     dtypes[cache.slot_of[i]] = d
             if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads, bucket, states)
+                cache = self._rebuild(group, params, grads, bucket, stager is not None)
                 full = ids == cache.member_ids
                 slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
             cache.grad_ptrs = slot_ptrs
@@ -326,20 +325,23 @@ class TritonEngine:
                     [k.step_size if k else 0.0 for k in known],
                     [k.inv_bc2_sqrt if k else 0.0 for k in known],
                 )
-        if states is not None:
-            staged = _staged(states, cache.member_ids)
-            for plan, slots, _ in cache.plans:
-                plan.set_state_ptrs(staged if len(cache.plans) == 1 else [staged[i] for i in slots])
         grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
-        for plan, _, _ in cache.plans:
-            plan.launch(
-                step=lo,
-                scalars=scalars,
-                maximize=group["maximize"],
-                stochastic_param=group["param_rounding"] == "stochastic",
-                per_tensor_step=not uniform,
-                grad_scale=grad_scale,
-            )
+        guard = getattr(self.optimizer, "_nonfinite", None)  # its counters of skipped non-finite gradients
+        flags = {
+            "nonfinite": None if guard is None else (guard.counts(cache.plans[0][0].device), guard.serial),
+            "step": lo,
+            "scalars": scalars,
+            "maximize": group["maximize"],
+            "stochastic_param": group["param_rounding"] == "stochastic",
+            "per_tensor_step": not uniform,
+            "grad_scale": grad_scale,
+        }
+        for i, (plan, _, _) in enumerate(cache.plans):
+            if stager is None:
+                plan.launch(**flags)
+                continue
+            for programs, table in stager(plan, cache.plan_members[i], i):
+                plan.launch(**flags, programs=programs, state_table=table)
 
     @staticmethod
     def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:

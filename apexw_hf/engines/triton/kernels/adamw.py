@@ -17,6 +17,10 @@ Random bits for stochastic rounding come from the counter-based hash of (seed, t
 computed in the kernel from a per-tensor key and ``mix32(step)`` (mixed on the host), so nothing but that number
 changes from step to step.
 
+A row of the tile whose gradient holds a NaN or an infinity is not written at all (``reference.nonfinite_blocks``,
+``SKIP_NONFINITE``): a reduction of the row's loaded gradient masks the stores (not the loads, which do not wait for
+it), and the program adds the rows it skipped to the optimizer's counters last (:func:`_count_skipped`).
+
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
 ``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
 fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``), one scale
@@ -102,8 +106,9 @@ def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr, WORDS: tl.constexpr, ALIGNED
 
 
 @triton.jit
-def _store_f32_runs(ptr, x, rows, rest):
-    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) as two [R, 32, 4] halves.
+def _store_f32_runs(ptr, x, rows, rest, keep):
+    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) where ``keep`` ([R], the non-finite gradient
+    check) as two [R, 32, 4] halves.
 
     Each thread holds 8 consecutive elements of the tile, and a store of 8 fp32 per thread is given a layout of 4
     consecutive elements per thread (16 bytes, the widest access), reached through 8 shuffles per thread and their
@@ -112,7 +117,7 @@ def _store_f32_runs(ptr, x, rows, rest):
     R: tl.constexpr = x.shape[0]
     lo, hi = tl.split(tl.permute(tl.reshape(x, (R, 32, 2, 4)), (0, 1, 3, 2)))
     offs = rows[:, None, None] * QBLOCK + tl.arange(0, 32)[None, :, None] * 8 + tl.arange(0, 4)[None, None, :]
-    mask = tl.broadcast_to(rows[:, None, None] * QBLOCK < rest, (R, 32, 4))
+    mask = tl.broadcast_to((rows[:, None, None] * QBLOCK < rest) & keep[:, None, None], (R, 32, 4))
     tl.store(ptr + offs, lo, mask=mask)
     tl.store(ptr + offs + 4, hi, mask=mask)
 
@@ -150,16 +155,29 @@ def _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors):
     return lo, pid - tl.load(cstart_ptr + lo)
 
 
-@triton.jit(do_not_specialize=["num_work", "num_tensors", "mixed_step"])
+@triton.jit
+def _count_skipped(nf_ptr, tidx_ptr, t, serial, nbad):
+    """Count ``nbad`` skipped blocks of tensor ``t``: ``nf[2 + tensor index] += nbad``; and the step ``serial`` once
+    per step in ``nf[1]``, whichever program and launch of the step comes first (``nf[0]`` holds the serial of the
+    last step that skipped something, swapped atomically). Programs without a non-finite gradient do nothing."""
+    if nbad > 0:  # counts only: no ordering with other memory operations is needed
+        tl.atomic_add(nf_ptr + 2 + tl.load(tidx_ptr + t), nbad, sem="relaxed")
+        last = tl.atomic_xchg(nf_ptr, serial, sem="relaxed")
+        tl.atomic_add(nf_ptr + 1, (last != serial).to(tl.int32), sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_work", "num_tensors", "first_program", "mixed_step", "serial"])
 def _adamw_kernel(
     cstart_ptr,  # int32 [num_tensors + 1]: first chunk (program) of each tensor, then the total
     gfirst_ptr,  # int32 [num_work // WORK_GROUP + 2]: the tensor of program k * WORK_GROUP (clamped to the last)
-    addr_ptr,  # int64 [6, num_tensors]: see ADDR_*
+    addr_ptr,  # int64 [6, num_tensors]: see ADDR_* (the kernel reads the parameter and gradient rows)
+    state_ptr,  # int64 [4, num_tensors]: the state rows ADDR_M .. ADDR_V_SCALE (of addr_ptr's table, or another's)
     numel_ptr,  # int64 [num_tensors]
     tkey_ptr,  # int32 [num_tensors]: mix32(seed + GOLDEN * (tensor_index + 1))
     tstep_ptr,  # int32 [3, num_tensors]: step, step_size (fp32 bits), inv_bc2_sqrt (fp32 bits); PER_TENSOR_STEP only
     num_work,
     num_tensors,
+    first_program,  # this launch's program k computes work item first_program + k (a launch may cover a range)
     mixed_step,  # mix32(step), the step's part of the random keys, mixed on the host (unused with PER_TENSOR_STEP)
     step_size,
     inv_bc2_sqrt,
@@ -170,6 +188,9 @@ def _adamw_kernel(
     decay,
     eps,
     gscale_ptr,  # fp32 [1]: the factor the gradients are multiplied by first (GRAD_SCALE)
+    nf_ptr,  # int32 [2 + tensors]: the optimizer's non-finite counters on this device (see _count_skipped)
+    tidx_ptr,  # int32 [num_tensors]: each tensor's index in the optimizer (its counter is nf[2 + index])
+    serial,  # the optimizer's step number, for the count of steps that skipped something
     FMT: tl.constexpr,
     P_DTYPE: tl.constexpr,
     G_DTYPE: tl.constexpr,
@@ -180,8 +201,9 @@ def _adamw_kernel(
     EVEN: tl.constexpr,
     ROWS: tl.constexpr,
     GRAD_SCALE: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) + first_program
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
     g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)
     if g_addr != 0:
@@ -220,25 +242,39 @@ def _adamw_kernel(
             idx_golden = (start.to(tl.uint32) + offs.to(tl.uint32)) * GOLDEN
 
         p_addr = tl.load(addr_ptr + ADDR_PARAM * num_tensors + t)
-        m_addr = tl.load(addr_ptr + ADDR_M * num_tensors + t)
+        m_addr = tl.load(state_ptr + (ADDR_M - ADDR_M) * num_tensors + t)
         if FMT != "4bit":
-            v_addr = tl.load(addr_ptr + ADDR_V * num_tensors + t)
+            v_addr = tl.load(state_ptr + (ADDR_V - ADDR_M) * num_tensors + t)
 
         g = _load_f32(_base(g_addr, start, G_DTYPE, ALIGNED), offs, mask, G_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if GRAD_SCALE:
             g = _scaled(g, tl.load(gscale_ptr), G_DTYPE)
         if MAXIMIZE:
             g = -g
+        if SKIP_NONFINITE:
+            # reference.nonfinite_blocks: a row of the tile (256 elements) with a NaN or infinite gradient is not
+            # written (its parameter, moments and scales keep their values): the masks of every store below lose it.
+            # Loads keep their masks, so they do not wait for this reduction; the store masks stay constant along a
+            # row, so stores stay vector instructions.
+            ok_row = tl.min((tl.abs(g) < float("inf")).to(tl.int32), axis=1)  # [ROWS]: 0 for NaN and +-inf
+            smask = mask & (ok_row[:, None] != 0)
+            w2smask = w2mask & (ok_row[:, None] != 0)
+        else:
+            smask = mask
+            w2smask = w2mask
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
         p = _load_f32(p_ptr, offs, mask, P_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if FMT == "4bit":
             # One scale per 128 elements and moment: blocks 2 * row and 2 * row + 1 of the chunk.
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
+            sbmask = bmask  # the blocks whose scales are stored
+            if SKIP_NONFINITE:
+                sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
-            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 2: the v scales are fp32
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
+            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             msc = tl.load(ms_ptr + srows, mask=bmask, other=0)
             vsc = tl.load(vs_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             # Both moments' codes in one byte per element: one byte load and one byte store per element.
@@ -254,10 +290,13 @@ def _adamw_kernel(
                 m, v = dequant_mv4(tl.load(mv_ptr + offs, mask=mask, other=0), msc, vsc)
         elif FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
+            sbmask = bmask  # the blocks whose scales are stored
+            if SKIP_NONFINITE:
+                sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
-            ms_ptr = tl.load(addr_ptr + ADDR_M_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
             # format version 3: the v scales are fp32 (an envelope that the encoding reads back)
-            vs_ptr = tl.load(addr_ptr + ADDR_V_SCALE * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
+            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
@@ -291,39 +330,42 @@ def _adamw_kernel(
         # The moments are stored first: they are final here, and nothing computed for them (predicates included) then
         # stays live across the branches of the IEEE square root and division below.
         if FMT == "fp32":
-            tl.store(m_ptr + offs, m, mask=mask)
-            tl.store(v_ptr + offs, v, mask=mask)
+            tl.store(m_ptr + offs, m, mask=smask)
+            tl.store(v_ptr + offs, v, mask=smask)
         else:
             # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit and 4bit:
             # bits 0-5 m, bits 6-21 v, the top 16 a bf16 parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
-                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=mask)
-                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=mask)
+                tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=smask)
+                tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=smask)
             elif FMT == "4bit":
                 one = bmask.to(tl.uint32)[:, None]  # [2 * ROWS, 1], see quant_m
                 cmv, sm, sv = quant_mv4(m, v, mask, bits_mv, one, EVEN)
-                tl.store(mv_ptr + offs, cmv, mask=mask)
-                tl.store(ms_ptr + srows, sm, mask=bmask)
-                tl.store(vs_ptr + srows, sv, mask=bmask)
+                tl.store(mv_ptr + offs, cmv, mask=smask)
+                tl.store(ms_ptr + srows, sm, mask=sbmask)
+                tl.store(vs_ptr + srows, sv, mask=sbmask)
             else:
                 # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
                 one = bmask.to(tl.uint32)[:, None]
                 cm, sm = quant_m(m, mask, bits_mv, one)
                 cv, sv = quant_v(v, mask, bits_mv, one, vsc, beta2)
-                tl.store(mc_ptr + offs, cm, mask=mask)
-                tl.store(vc_ptr + offs, cv, mask=mask)
-                tl.store(ms_ptr + rows, sm, mask=bmask)
-                tl.store(vs_ptr + rows, sv, mask=bmask)
+                tl.store(mc_ptr + offs, cm, mask=smask)
+                tl.store(vc_ptr + offs, cv, mask=smask)
+                tl.store(ms_ptr + rows, sm, mask=sbmask)
+                tl.store(vs_ptr + rows, sv, mask=sbmask)
 
         denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
         p = p * decay - tl.math.div_rn(m, denom) * step_size
         if P_DTYPE == tl.float32:
             if FMT == "4bit" and EVEN:
                 # 33 fewer instructions per program (sm_90); the other formats keep the store their GPU timings used
-                _store_f32_runs(p_ptr, p, rows, rest)
+                if SKIP_NONFINITE:
+                    _store_f32_runs(p_ptr, p, rows, rest, ok_row != 0)
+                else:
+                    _store_f32_runs(p_ptr, p, rows, rest, rows >= 0)
             else:
-                tl.store(p_ptr + offs, p, mask=mask)
+                tl.store(p_ptr + offs, p, mask=smask)
         elif P_DTYPE == tl.bfloat16:
             if STOCHASTIC_PARAM and (FMT == "8bit" or FMT == "4bit"):
                 bits_p = bits_mv
@@ -334,17 +376,20 @@ def _adamw_kernel(
                     pw = pack_bf16_hi(f32_to_bf16_hi_stochastic(p, bits_p))
                 else:
                     pw = pack_bf16_hi(f32_to_bf16_hi_nearest(p))
-                tl.store(_words(p_ptr, ALIGNED) + w2offs, pw, mask=w2mask)
+                tl.store(_words(p_ptr, ALIGNED) + w2offs, pw, mask=w2smask)
             else:
                 if STOCHASTIC_PARAM:
                     pb = f32_to_bf16_bits_stochastic(p, bits_p)
                 else:
                     pb = f32_to_bf16_bits_nearest(p)
-                tl.store(p_ptr + offs, pb, mask=mask)
+                tl.store(p_ptr + offs, pb, mask=smask)
         else:
             if STOCHASTIC_PARAM:
                 bits_p = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_P))
                 ph = f32_to_f16_stochastic(p, bits_p)
             else:
                 ph = p.to(tl.float16)
-            tl.store(p_ptr + offs, ph, mask=mask)
+            tl.store(p_ptr + offs, ph, mask=smask)
+        if SKIP_NONFINITE:
+            # last: its branch and atomics then order nothing before them (loads would otherwise wait for it)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))

@@ -33,7 +33,7 @@ QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit
 BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# The kernel's parameters after its 18 runtime arguments, in signature order: LaunchPlan.launch passes them
+# The kernel's parameters after its 23 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
 _CONSTEXPR_NAMES = (
     "FMT",
@@ -46,8 +46,9 @@ _CONSTEXPR_NAMES = (
     "EVEN",
     "ROWS",
     "GRAD_SCALE",
+    "SKIP_NONFINITE",
 )
-if tuple(_adamw_kernel.arg_names[18:]) != _CONSTEXPR_NAMES:
+if tuple(_adamw_kernel.arg_names[23:]) != _CONSTEXPR_NAMES:
     raise RuntimeError(f"_adamw_kernel's parameters changed: {_adamw_kernel.arg_names}; update LaunchPlan.launch")
 
 _TL_DTYPES = {
@@ -70,6 +71,11 @@ LAUNCH_CONFIG = {
     "8bit": {4: (1, 1), 2: (1, 1)},
     "4bit": {4: (1, 1), 2: (1, 1)},
 }
+
+# Whether the kernel leaves blocks with a non-finite gradient un-updated (reference.nonfinite_blocks). Always on for
+# training: the one switch is for benchmarks/bench_step.py --nonfinite-check off, which times what the check costs
+# (the update is then not the reference's on non-finite gradients, and nothing is counted).
+CHECK_NONFINITE = True
 
 MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (LaunchPlan's maxnreg)
 
@@ -99,6 +105,16 @@ _STATE_DTYPES = {
     },
     # 4-bit format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
     "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
+}
+
+
+# The address table's state rows (ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE) of each state tensor, by format: 4-bit
+# keeps both moments' codes in one tensor (ADDR_V unused).
+STATE_ROW = {
+    "fp32": {"exp_avg": 0, "exp_avg_sq": 1},
+    "compact": {"exp_avg": 0, "exp_avg_sq": 1},
+    "8bit": {"exp_avg": 0, "exp_avg_sq": 1, "exp_avg_scale": 2, "exp_avg_sq_scale": 3},
+    "4bit": {"exp_avg_mv": 0, "exp_avg_scale": 2, "exp_avg_sq_scale": 3},
 }
 
 
@@ -146,12 +162,23 @@ def _state_addresses(fmt: str, numel: int, s: dict, device: torch.device) -> tup
     return m, v, 0, 0
 
 
+class StateTable:
+    """A device table of state addresses (int64 [4, tensors]: rows ADDR_M .. ADDR_V_SCALE) for
+    :meth:`LaunchPlan.launch`, and whether its moment rows are 16-byte aligned."""
+
+    __slots__ = ("table", "aligned")
+
+    def __init__(self, table: torch.Tensor, aligned: bool):
+        self.table, self.aligned = table, aligned
+
+
 class LaunchPlan:
     """Static launch metadata for tensors that share a device, a state format, a param dtype and a grad dtype.
 
     Args:
         params: the parameters (contiguous, same dtype and device).
-        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`).
+        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`), or None: every launch then takes
+            a :meth:`state_table` (state offload streams each launch's state through a device buffer).
         fmt: state format.
         tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).
         seed: the optimizer's seed.
@@ -188,14 +215,17 @@ class LaunchPlan:
         addr = [[0] * n for _ in range(NUM_ADDR_ROWS)]
         numel, tkey, nchunks = [], [], []
         params_aligned = states_aligned = True
-        for i, (p, s) in enumerate(zip(params, states)):
+        for i, (p, s) in enumerate(zip(params, states or [None] * len(params))):
             if p.dtype != self.param_dtype or p.device != self.device:
                 raise ValueError("all tensors of a launch plan must share dtype and device")
             if not p.is_contiguous():
                 raise ValueError(f"the Triton engine needs contiguous parameters; got strides {p.stride()}")
             addr[ADDR_PARAM][i] = p.data_ptr()
-            m, v, addr[ADDR_M_SCALE][i], addr[ADDR_V_SCALE][i] = _state_addresses(fmt, p.numel(), s, self.device)
-            addr[ADDR_M][i], addr[ADDR_V][i] = m, v
+            if states is not None:
+                m, v, addr[ADDR_M_SCALE][i], addr[ADDR_V_SCALE][i] = _state_addresses(fmt, p.numel(), s, self.device)
+                addr[ADDR_M][i], addr[ADDR_V][i] = m, v
+            else:
+                m = v = 0
             params_aligned &= addr[ADDR_PARAM][i] % 16 == 0
             states_aligned &= m % 16 == 0 and v % 16 == 0
             numel.append(p.numel())
@@ -209,19 +239,22 @@ class LaunchPlan:
         # the tensor of program k * WORK_GROUP (the last program's for k past the end): where each search starts
         firsts = np.minimum(np.arange(0, total // WORK_GROUP.value + 2) * WORK_GROUP.value, max(total - 1, 0))
         gfirst = np.searchsorted(cstart[1:], firsts, side="right")
-        self._numels = [p.numel() for p in params]  # for set_state_ptrs's checks
         self._params_aligned = params_aligned
         self.static_aligned = params_aligned and states_aligned
-        self._state_ptrs = [addr[r] for r in (ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE)]
         self.even = all(k % QBLOCK == 0 for k in numel)  # whole 256-element rows of the kernel's tile: row masks
         self.grads_aligned = False
         dev = self.device
         self.addr = torch.tensor(addr, dtype=torch.int64).to(dev)
         self.numel = torch.tensor(numel, dtype=torch.int64).to(dev)
         self.tkey = torch.tensor(tkey, dtype=torch.int32).to(dev)
+        # each tensor's index in the optimizer: its non-finite counter (LaunchPlan.launch's nonfinite)
+        self.tidx = torch.tensor(list(tensor_indices), dtype=torch.int32).to(dev)
+        self._own_counts: torch.Tensor | None = None  # counters of launches given none (adamw_step_, tests, tools)
         self.cstart = torch.from_numpy(cstart.astype(np.int32)).to(dev)
         self.gfirst = torch.from_numpy(np.minimum(gfirst, n - 1).astype(np.int32)).to(dev)
         self.num_work = total
+        self.chunk_starts = cstart  # host copy: the first program of each tensor, then the total
+        self.chunk_elements = chunk
         self.tstep = torch.zeros(3, n, dtype=torch.int32, device=dev)
         self._grad_ptrs: list[int] | None = None
         self._compiled: dict = {}  # specialization -> Triton's compiled kernel (see launch)
@@ -236,20 +269,22 @@ class LaunchPlan:
         self.grads_aligned = not (table & 15).any()
         _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
 
-    def set_state_ptrs(self, states) -> None:
-        """The state tensors of the plan's tensors, in plan order, when they are not those it was built with (state
-        offload stages each launch's state in a device buffer). Same formats, dtypes and sizes as at construction,
-        checked; the address table is copied only when an address changed."""
-        if len(states) != self.num_tensors:
-            raise ValueError(f"set_state_ptrs: {len(states)} state dicts for a plan of {self.num_tensors} tensors")
-        cols = [_state_addresses(self.fmt, n, s, self.device) for n, s in zip(self._numels, states)]
-        rows = [list(r) for r in zip(*cols)]
-        if rows == self._state_ptrs:
-            return
-        self._state_ptrs = rows
-        table = np.array(rows, dtype=np.int64)
-        self.static_aligned = self._params_aligned and not (table[:2] & 15).any()
-        _copy_from_host_(self.addr[ADDR_M : ADDR_V_SCALE + 1], torch.from_numpy(table))
+    def state_table(self, bases) -> "StateTable":
+        """A state address table of this plan's tensors for :meth:`launch` (``state_table=``), from one dict per tensor
+        (plan order) of state key -> the address of its element 0 (block 0 for a scale). A launch over a range of
+        work items (``programs``) dereferences only that range's elements, so state offload stages a range in a
+        device buffer and passes addresses shifted to match; a tensor whose dict is empty gets address 0 (a launch
+        must not reach it). One copy to the device, when the table is made: a caller keeps the tables it reuses."""
+        if len(bases) != self.num_tensors:
+            raise ValueError(f"state_table: {len(bases)} entries for a plan of {self.num_tensors} tensors")
+        rows = STATE_ROW[self.fmt]
+        table = np.zeros((4, self.num_tensors), dtype=np.int64)
+        for i, b in enumerate(bases):
+            for key, address in b.items():
+                table[rows[key], i] = address
+        device = torch.empty((4, self.num_tensors), dtype=torch.int64, device=self.device)
+        _copy_from_host_(device, torch.from_numpy(table))
+        return StateTable(device, not (table[:2] & 15).any())
 
     def set_tensor_steps(self, steps, step_sizes, inv_bc2_sqrts) -> None:
         """Per-tensor step counts (int32) and fp32 bias-correction scalars (numpy arrays), for unequal steps."""
@@ -262,12 +297,31 @@ class LaunchPlan:
         )
         _copy_from_host_(self.tstep, torch.from_numpy(packed))
 
-    def launch(self, *, step, scalars, maximize, stochastic_param, per_tensor_step=False, grad_scale=None) -> None:
-        """One launch over all tensors. ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
+    def launch(
+        self,
+        *,
+        step,
+        scalars,
+        maximize,
+        stochastic_param,
+        per_tensor_step=False,
+        grad_scale=None,
+        nonfinite=None,
+        programs=None,
+        state_table=None,
+    ) -> None:
+        """One launch over all tensors, or over the work items (chunks of ``rows * 256`` elements, numbered through
+        the tensors in plan order: :attr:`chunk_starts`) ``programs = (first, end)``; the same bits either way.
+        ``state_table``: a :meth:`state_table` to take the state addresses from instead of the plan's own.
+        ``scalars`` is a :class:`apexw_hf.reference.StepScalars`; with
         ``per_tensor_step`` its ``step_size`` and ``inv_bc2_sqrt`` (and ``step``) come from
         :meth:`set_tensor_steps`. ``grad_scale``: an fp32 tensor of one element on the plan's device; the kernel
         then multiplies each gradient by it first, exactly as ``g.mul_(grad_scale.to(g.dtype))`` would (gradient
-        release's clip, without a pass of its own over the gradients).
+        release's clip, without a pass of its own over the gradients). ``nonfinite``: ``(counts, serial)``, the
+        optimizer's int32 counters on the plan's device (``2 +`` its tensor count elements,
+        :mod:`apexw_hf.optim.nonfinite`) and its step number: a block of 256 elements whose gradient is not finite
+        is not written (``reference.nonfinite_blocks``) and is counted there; None counts into a buffer of the plan's
+        own (:meth:`own_counts`).
 
         The first launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
         ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
@@ -280,30 +334,52 @@ class LaunchPlan:
         ``torch.cuda.set_device``) is launched under a device guard, on that device's current stream. So every launch
         of a plan happens on the plan's device, and its compiled kernels are those of that device.
         """
-        if self.num_work == 0:
+        first, end = (0, self.num_work) if programs is None else programs
+        if not 0 <= first <= end <= self.num_work:
+            raise ValueError(f"programs must be a range within 0..{self.num_work}, got {programs}")
+        if end == first:
             return
         with device_guard(self.device):
-            self._launch(step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale)
+            self._launch(
+                step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end,
+                state_table,
+            )
+
+    def own_counts(self) -> torch.Tensor:
+        """The non-finite counters of launches given none (the layout of :mod:`apexw_hf.optim.nonfinite`)."""
+        if self._own_counts is None:
+            size = 3 + int(self.tidx.max()) if self.num_tensors else 2
+            self._own_counts = torch.zeros(size, dtype=torch.int32, device=self.device)
+        return self._own_counts
 
     def _cap(self, constexprs: tuple) -> int | None:
         """The register cap of this specialization (``constexprs`` as :meth:`_launch` builds them)."""
         if not self._auto_caps:
             return None if self.maxnreg == "auto" else self.maxnreg
-        _, _, _, _, stochastic, per_tensor_step, _, even, _, _ = constexprs
+        stochastic, per_tensor_step, even = constexprs[4], constexprs[5], constexprs[7]
         stochastic = stochastic and self.param_dtype != torch.float32  # fp32 parameters are never rounded
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
-    def _launch(self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale) -> None:
+    def _launch(
+        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end, state_table
+    ) -> None:
         s = scalars
+        counts, serial = (self.own_counts(), 1) if nonfinite is None else nonfinite
+        if state_table is None:
+            states, aligned = self.addr[ADDR_M:], self.static_aligned
+        else:
+            states, aligned = state_table.table, self._params_aligned and state_table.aligned
         args = (
             self.cstart,
             self.gfirst,
             self.addr,
+            states,
             self.numel,
             self.tkey,
             self.tstep,
             self.num_work,
             self.num_tensors,
+            first,
             to_int32(mix32(int(step) & 0x7FFFFFFF)),
             s.step_size,
             s.inv_bc2_sqrt,
@@ -314,6 +390,9 @@ class LaunchPlan:
             s.decay,
             s.eps,
             self.tstep if grad_scale is None else grad_scale,  # any pointer where unused
+            counts,
+            self.tidx,
+            int(serial) & 0x7FFFFFFF,
         )
         constexprs = (
             self.fmt,
@@ -322,16 +401,17 @@ class LaunchPlan:
             bool(maximize),
             bool(stochastic_param),
             bool(per_tensor_step),
-            self.static_aligned and self.grads_aligned,
+            aligned and self.grads_aligned,
             self.even,
             self.rows,
             grad_scale is not None,
+            CHECK_NONFINITE,
         )
         compiled = self._compiled.get(constexprs)
         if compiled is not None:
-            compiled[(self.num_work, 1, 1)](*args, *constexprs)
+            compiled[(end - first, 1, 1)](*args, *constexprs)
             return
-        compiled = _adamw_kernel[(self.num_work,)](
+        compiled = _adamw_kernel[(end - first,)](
             *args,
             **dict(zip(_CONSTEXPR_NAMES, constexprs)),
             num_warps=self.num_warps,
@@ -358,11 +438,12 @@ def adamw_step_(
     num_warps=None,
     maxnreg="auto",
     grad_scale=None,
+    nonfinite=None,
 ) -> None:
     """Uncached one-launch AdamW step of ``params`` (same dtype) with ``grads`` (same dtype), all at step ``step``.
 
     The same contract as :func:`apexw_hf.reference.adamw_step_ref_` applied to each tensor; for tests and tools.
-    ``grad_scale``: see :meth:`LaunchPlan.launch`.
+    ``grad_scale``, ``nonfinite``: see :meth:`LaunchPlan.launch`.
     """
     plan = LaunchPlan(
         params, states, fmt, tensor_indices, seed, grads[0].dtype, rows=rows, num_warps=num_warps, maxnreg=maxnreg
@@ -377,4 +458,5 @@ def adamw_step_(
         maximize=maximize,
         stochastic_param=param_rounding == "stochastic",
         grad_scale=grad_scale,
+        nonfinite=nonfinite,
     )

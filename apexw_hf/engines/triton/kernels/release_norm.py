@@ -67,10 +67,14 @@ def _release_norm_kernel(
         else:
             norm = tl.sqrt_rn(s)
             if HAS_PREV:
-                norm = tl.maximum(norm, tl.load(prev_norm_ptr), propagate_nan=tl.PropagateNan.ALL)
+                prev_norm = tl.load(prev_norm_ptr)
+                prev_norm = tl.where(prev_norm < float("inf"), prev_norm, 0.0)  # a skipped step's NaN: no estimate
+                norm = tl.maximum(norm, prev_norm, propagate_nan=tl.PropagateNan.ALL)
         coef = tl.math.div_rn(max_norm + tl.zeros_like(norm), norm + 1e-6)
         coef = tl.where(coef > 1.0, 1.0, coef)
-        coef = tl.where(coef == coef, coef, 0.0)  # a non-finite norm: the later buckets get a zero gradient
+        coef = tl.where(coef == coef, coef, 0.0)
+        # a non-finite gradient so far in this step: every later gradient becomes NaN, so its block is not updated
+        coef = tl.where(s < float("inf"), coef, float("nan"))
         tl.store(coef_ptr, coef)
         if coef_lo_ptr.dtype.element_ty == tl.bfloat16:  # on the bits: the interpreter truncates on .to(bf16)
             tl.store(coef_lo_ptr.to(tl.pointer_type(tl.uint16)), f32_to_bf16_bits_nearest(coef))
