@@ -11,7 +11,7 @@ What counts as an edge ``a -> b``:
   optimizer's base class through two engines and back can consist only of function-level imports, and break nothing
   at import time, which is exactly why it would go unnoticed.
 - ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
-- Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.state`` runs ``apexw_hf/__init__``
+- Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.base`` runs ``apexw_hf/__init__``
   first) does not count: ``apexw_hf/__init__`` imports the public names from everywhere by design, so every module
   would be in one circle with it, and that order is Python's, not a dependency the importing module chose.
 """

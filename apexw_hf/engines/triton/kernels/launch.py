@@ -176,7 +176,7 @@ class LaunchPlan:
 
     Args:
         params: the parameters (contiguous, same dtype and device).
-        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`), or None: every launch then takes
+        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.formats`), or None: every launch then takes
             a :meth:`state_table` (state offload streams each launch's state through a device buffer).
         fmt: state format.
         tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference as ref
 from . import dtensor as dt
+from . import reference as ref
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
