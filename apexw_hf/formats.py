@@ -72,6 +72,12 @@ def moment_keys(fmt: str) -> tuple[str, ...]:
     return (MV4_KEY,) if fmt in FOUR_BIT else MOMENT_KEYS
 
 
+def state_dtypes(fmt: str) -> dict[str, torch.dtype]:
+    """Each state tensor's key (moments first, then scales) -> its dtype, in format ``fmt``."""
+    keys = moment_keys(fmt) + (SCALE_KEYS if fmt in QUANTIZED else ())
+    return dict(zip(keys, MOMENT_DTYPES[fmt] + SCALE_DTYPES.get(fmt, ()), strict=True))
+
+
 def init_state(
     p: torch.Tensor, fmt: str, *, device: torch.device | None = None, pin_memory: bool = False
 ) -> dict:
