@@ -401,6 +401,33 @@ def _training_facts(cfg: RecipeConfig, trainer, train_out, timer, release: bool)
     }
 
 
+def _make_trainer(cfg: RecipeConfig, model, tok, train_ds, val_ds, out_dir: Path, precision: str, timer, result: dict):
+    """The Trainer of a run, with the step timer and ApexW's state callback (None, and the reason in ``result``,
+    where the callback cannot be imported)."""
+    from transformers import Trainer
+
+    from .data import PadCollator
+
+    callbacks = [timer]
+    state_cb = None
+    try:
+        from apexw_hf.integrations.callbacks import OptimizerStateCallback
+
+        state_cb = OptimizerStateCallback()
+        callbacks.insert(0, state_cb)
+    except ImportError as exc:
+        result["callback_missing"] = str(exc)
+    trainer = Trainer(
+        model=model,
+        args=build_training_arguments(cfg, out_dir, precision),
+        train_dataset=train_ds,
+        eval_dataset=val_ds or None,
+        data_collator=PadCollator(tok.pad_token_id, cfg.data.pad_to_multiple_of),
+        callbacks=callbacks,
+    )
+    return trainer, state_cb
+
+
 def run_finetune(
     cfg: RecipeConfig, output_dir: str | Path, prepared: dict | None = None, verbose: bool = True
 ) -> dict[str, Any]:
@@ -418,11 +445,9 @@ def run_finetune(
     if t.torch_threads > 0:
         torch.set_num_threads(t.torch_threads)
     probe_optimizer(t.optim)
-    from transformers import Trainer
-
     import apexw_hf  # noqa: F401 - registers the apexw_* optim names with transformers
 
-    from .data import PadCollator, load_chat_data, tokenize_chat
+    from .data import load_chat_data, tokenize_chat
 
     prepared = prepared or prepare_base(cfg, out_dir, verbose=verbose)
     precision = resolve_precision(cfg)
@@ -443,23 +468,7 @@ def run_finetune(
     val_ds = tokenize_chat(data.validation, tok, cfg.model.max_seq_length, cfg.data.train_on_responses_only)
     n_train_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     timer = _StepTimer()
-    callbacks = [timer]
-    state_cb = None
-    try:
-        from apexw_hf.integrations.callbacks import OptimizerStateCallback
-
-        state_cb = OptimizerStateCallback()
-        callbacks.insert(0, state_cb)
-    except ImportError as exc:
-        result["callback_missing"] = str(exc)
-    trainer = Trainer(
-        model=model,
-        args=build_training_arguments(cfg, out_dir, precision),
-        train_dataset=train_ds,
-        eval_dataset=val_ds or None,
-        data_collator=PadCollator(tok.pad_token_id, cfg.data.pad_to_multiple_of),
-        callbacks=callbacks,
-    )
+    trainer, state_cb = _make_trainer(cfg, model, tok, train_ds, val_ds, out_dir, precision, timer, result)
     t_train = time.time()
     train_out = trainer.train()
     t_train_end = time.time()
