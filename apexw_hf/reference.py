@@ -725,7 +725,7 @@ def adamw_step_ref_(
     Args:
         param: the parameter (fp32, bf16 or fp16), updated in place.
         grad: its gradient, same shape; any float dtype.
-        state: the moment tensors of format ``fmt`` (see :mod:`apexw_hf.optim.state`).
+        state: the moment tensors of format ``fmt`` (see :mod:`apexw_hf.formats`).
         fmt: one of :data:`STATE_FORMATS`.
         scalars: the step's fp32-rounded constants.
         seed, tensor_index, step: select the random streams for stochastic rounding.

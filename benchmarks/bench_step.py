@@ -507,9 +507,9 @@ def time_launches(fn, launches: int, warmup: int = 5) -> tuple[float, float]:
 
 def tune(args, bw):
     """Kernel tile variants (rows of 256 per program, warps, alignment hints) on the large workloads."""
+    from apexw_hf import formats as st
     from apexw_hf import reference as ref
     from apexw_hf.engines.triton.kernels import LaunchPlan
-    from apexw_hf.optim import state as st
 
     out = []
     scal = ref.StepScalars.make(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=10)

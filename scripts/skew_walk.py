@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from apexw_hf import formats as st  # noqa: E402
 from apexw_hf import reference as ref  # noqa: E402
-from apexw_hf.optim import state as st  # noqa: E402
 from apexw_hf.provenance import describe_source  # noqa: E402
 
 BETA2S = (0.99, 0.999, 0.9995, 0.9999)

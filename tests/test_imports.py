@@ -1,7 +1,9 @@
 """No module of ``apexw_hf`` imports one that imports it back (issue 28: the engines behind one interface, no circle).
 
 The test reads the import statements with ``ast`` (nothing is imported), resolves relative and absolute imports of
-``apexw_hf`` modules to the module they name, and fails on any cycle between modules, listing it.
+``apexw_hf`` modules to the module they name, and fails on any cycle between modules, listing it; and on any import
+of a module of a higher layer (issue 43: formats -> engines -> optim -> integrations/recipe, see ``LAYERS``), listing
+each such edge.
 
 What counts as an edge ``a -> b``:
 
@@ -11,7 +13,7 @@ What counts as an edge ``a -> b``:
   optimizer's base class through two engines and back can consist only of function-level imports, and break nothing
   at import time, which is exactly why it would go unnoticed.
 - ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to ``pkg``.
-- Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.state`` runs ``apexw_hf/__init__``
+- Executing the parent packages' ``__init__`` on the way (``import apexw_hf.optim.base`` runs ``apexw_hf/__init__``
   first) does not count: ``apexw_hf/__init__`` imports the public names from everywhere by design, so every module
   would be in one circle with it, and that order is Python's, not a dependency the importing module chose.
 """
@@ -176,3 +178,72 @@ def test_importing_the_package_imports_no_engine():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# Issue 43: the layers, lowest first. A module may import modules of its own layer or of lower ones, never of a higher
+# one (counting imports inside functions, as above). ``apexw_hf/__init__`` (the package) is above them all: it
+# re-exports the public names.
+LAYERS = (
+    # 0: below the engines: the numerics, the random streams, the state layouts, hyperparameters, FSDP2 shards
+    (
+        "apexw_hf._random",
+        "apexw_hf.reference",
+        "apexw_hf.provenance",
+        "apexw_hf.formats",
+        "apexw_hf.hparams",
+        "apexw_hf.dtensor",
+        "apexw_hf.accounting",
+    ),
+    ("apexw_hf.engines",),  # 1: what computes the update
+    ("apexw_hf.optim",),  # 2: the torch.optim.Optimizer classes
+    ("apexw_hf.integrations", "apexw_hf.recipe"),  # 3: what uses the optimizers
+)
+EXEMPT = {"apexw_hf"}
+# Upward imports that are known and not yet removed, each with its reason: (importer, imported). Empty: keep it so.
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
+
+
+def layer_of(module: str, layers=LAYERS) -> int | None:
+    """The layer of ``module``: that of the entry equal to it or to one of its parent packages."""
+    for i, names in enumerate(layers):
+        if any(module == n or module.startswith(n + ".") for n in names):
+            return i
+    return None
+
+
+def upward_edges(graph: dict[str, set[str]], layers=LAYERS, exempt=EXEMPT) -> list[tuple[str, str]]:
+    """The edges ``a -> b`` of ``graph`` where ``b`` is of a higher layer than ``a`` (the exempt modules aside)."""
+    out = []
+    for a in sorted(graph):
+        if a in exempt:
+            continue
+        for b in sorted(graph[a]):
+            la, lb = layer_of(a, layers), layer_of(b, layers)
+            if b not in exempt and la is not None and lb is not None and lb > la:  # no layer: the test below
+                out.append((a, b))
+    return out
+
+
+def test_upward_edges_lists_each_one():
+    layers = (("p.low",), ("p.mid",), ("p.top",))
+    graph = {
+        "p.low.x": {"p.mid", "p.low.y"},
+        "p.low.y": set(),
+        "p.mid": {"p.low.x", "p.top.z"},
+        "p.top.z": {"p.low.y"},
+    }
+    assert upward_edges(graph, layers, set()) == [("p.low.x", "p.mid"), ("p.mid", "p.top.z")]
+    assert layer_of("p.mid.sub", layers) == 1 and layer_of("p.middle", layers) is None
+
+
+def test_every_module_has_a_layer():
+    assert not [m for m in import_graph() if m not in EXEMPT and layer_of(m) is None]
+
+
+def test_no_module_imports_a_higher_layer():
+    graph = import_graph()
+    edges = [e for e in upward_edges(graph) if e not in ALLOWED_UPWARD]
+    assert not edges, "imports of a higher layer (see LAYERS in tests/test_imports.py):\n" + "\n".join(
+        f"{a} (layer {layer_of(a)}) -> {b} (layer {layer_of(b)})" for a, b in edges
+    )
+    assert not ALLOWED_UPWARD - set(upward_edges(graph)), "ALLOWED_UPWARD lists edges that are gone: remove them"

@@ -47,7 +47,7 @@ from numba.extending import intrinsic
 
 from .. import _random as rnd
 from .. import reference as ref
-from ..optim.state import SCALE_KEYS, moment_keys
+from ..formats import SCALE_KEYS, moment_keys
 
 if numba.config.DISABLE_JIT:  # the kernels' bit casts (intrinsics) exist only in compiled code
     raise ImportError("numba's JIT is disabled (NUMBA_DISABLE_JIT)")

@@ -74,10 +74,10 @@ import numpy as np
 import torch
 
 from .. import _random as rnd
+from .. import dtensor as dt
 from .. import reference as ref
-from ..optim import dtensor as dt
-from ..optim.hparams import step_hparams
-from ..optim.state import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_DTYPES, SCALE_KEYS, STATE_KEYS, moment_keys
+from ..formats import MOMENT_DTYPES, MV4_KEY, SCALE_BLOCKS, SCALE_DTYPES, SCALE_KEYS, STATE_KEYS, moment_keys
+from ..hparams import step_hparams
 from .torch_passes import (
     Scratch,
     bf16_stochastic,

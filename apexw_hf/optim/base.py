@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
+from .. import dtensor as dt
 from .. import engines
+from .. import formats as st
 from .. import reference as ref
-from . import dtensor as dt
-from . import state as st
-from .hparams import as_float as _as_float
+from ..hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
 from .offload import StateOffload, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
@@ -37,7 +37,7 @@ class ApexW(torch.optim.Optimizer):
     r"""AdamW with fp32, compact (bf16), 8-bit or 4-bit optimizer state, and one Triton launch per parameter group.
 
     The update is that of ``torch.optim.AdamW`` (Loshchilov & Hutter, 2019: decoupled weight decay, bias correction,
-    ``eps`` outside the square root). Only the storage of the moments differs (see :mod:`apexw_hf.optim.state`) and
+    ``eps`` outside the square root). Only the storage of the moments differs (see :mod:`apexw_hf.formats`) and
     bf16/fp16 parameters receive the update with stochastic rounding. The numerics are specified by
     :mod:`apexw_hf.reference`; every engine computes the same bits.
 

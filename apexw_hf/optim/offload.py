@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import state as st
+from .. import formats as st
 
 DEFAULT_SLOTS = 3
 # Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds

@@ -86,8 +86,8 @@ from collections.abc import Callable
 
 import torch
 
+from .. import dtensor as dt
 from .. import engines
-from . import dtensor as dt
 from .tied_offload import PREFETCH_SHARE, TiedGradOffload
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: the default limit at the start of a backward pass (64 MiB of bf16)

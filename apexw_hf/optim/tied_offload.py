@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from . import dtensor as dt
+from .. import dtensor as dt
 
 PREFETCH_SHARE = 0.5  # the copy back starts once this share of the last step's gradient elements is released
 SEARCH_NODES = 256  # autograd nodes searched from the loss for the first use of a tied weight

@@ -265,6 +265,153 @@ def _tail(path: Path, n: int = 15) -> str:
         return ""
 
 
+_FAILED_FIRST = "the first run failed (compare.fail_fast)"
+
+
+def _cell_result(cell: dict[str, Any], status: str, reason: str) -> dict[str, Any]:
+    """The result of a cell that has no result file of its own (not run, or failed before writing one)."""
+    return {
+        "status": status,
+        "reason": reason,
+        "optimizer": cell["optim"],
+        "learning_rate": cell["lr"],
+        "seed": cell["seed"],
+    }
+
+
+def _prepare_base(config_path: Path, out: Path, env: dict[str, str]) -> None:
+    """The shared base model and tokenizer, made once per grid by a child process (``--prepare-only``)."""
+    t0 = time.time()
+    print(f"[apexw-compare] preparing the shared base model/tokenizer in {out}/base ...", flush=True)
+    rc = _run_child(
+        ["--config", str(config_path), "--output-dir", str(out), "--prepare-only"], out / "prepare.log", env
+    )
+    if rc != 0:
+        raise RuntimeError(
+            f"preparing the base model failed (exit {rc}); log {out / 'prepare.log'}:\n{_tail(out / 'prepare.log')}"
+        )
+    print(f"[apexw-compare] base ready in {time.time() - t0:.1f} s", flush=True)
+
+
+def _warmup_run(cfg: RecipeConfig, config_path: Path, out: Path, env: dict[str, str]) -> None:
+    """A short unreported run of the first optimizer (``compare.warmup_run``): it fills the compile caches, so the
+    first reported run is not slower for it."""
+    tw = time.time()
+    wdir = out / "warmup"
+    wdir.mkdir(exist_ok=True)
+    args = ["--config", str(config_path), "--output-dir", str(wdir), "--optim", cfg.compare.optimizers[0]]
+    args += ["--set", "train.max_steps=5", "--set", "data.validation_samples=0"]
+    rc = _run_child(args + ["--prepared", str(out / "prepared_paths.json")], wdir / "log.txt", env)
+    print(
+        f"[apexw-compare] warm-up run (fills compile caches, not reported): exit {rc}, {time.time() - tw:.1f} s",
+        flush=True,
+    )
+
+
+def _outcome(res: dict[str, Any], run_dir: Path) -> str:
+    """One run's line of progress: its losses, speed and state size, or why it did not finish."""
+    if res["status"] == "ok":
+        v = res.get("validation_loss")
+        return (
+            f"loss {res['initial_train_loss']:.3f} -> {res['final_train_loss']:.3f}, val "
+            f"{'n/a' if v is None else f'{v:.3f}'}, {res['steps_per_s']:.2f} steps/s, state "
+            f"{res['optimizer_state_mib']:.3f} MiB"
+        )
+    what = f"{res['status'].upper()}: {res.get('reason', '')}"
+    if res["status"] == "failed":
+        what += f"\n{_tail(run_dir / 'log.txt')}"
+    return what
+
+
+class _Grid:
+    """The cells of one grid still to run (``todo``, indices into ``grid``), run from a thread pool by
+    :meth:`run_cell`, and what they gave (``results``, by index; cells kept from an earlier attempt already there)."""
+
+    def __init__(self, cfg: RecipeConfig, config_path: Path, out: Path, env: dict[str, str], jobs: int, resume: bool):
+        self.cfg, self.config_path, self.out, self.env, self.jobs = cfg, config_path, out, env, jobs
+        self.runs_dir = out / "runs"
+        self.grid = plan_grid(cfg)
+        self.results: list[dict[str, Any] | None] = [None] * len(self.grid)
+        self.todo = []
+        for i, cell in enumerate(self.grid):
+            kept = _completed(self.runs_dir / cell["name"] / "result.json") if resume else None
+            if kept is None:
+                self.todo.append(i)
+            else:
+                self.results[i] = kept
+        self.t0 = time.time()
+        self.done = 0
+        self.durations: list[float] = []
+        self.failed_first: list[str] = []
+        self.lock = threading.Lock()
+
+    def _env_of(self, cell: dict[str, Any]) -> dict[str, str]:
+        """The child's environment: with ``compare.devices``, only the cell's GPU visible (and its own lock)."""
+        if "device" not in cell:
+            return self.env
+        dev = cell["device"]
+        run_env = {**self.env, "CUDA_VISIBLE_DEVICES": str(dev)}
+        if "APEXW_GPU_LOCK" in self.env:
+            run_env["APEXW_GPU_LOCK"] = f"{self.env['APEXW_GPU_LOCK']}.{dev}"
+        return run_env
+
+    def _skip_reason(self) -> str | None:
+        """Why the next cell is not started: the first run failed (``compare.fail_fast``) or the time budget is
+        used (``compare.max_minutes``); None to run it."""
+        if self.cfg.compare.fail_fast and self.failed_first:
+            return _FAILED_FIRST
+        budget = self.cfg.compare.max_minutes * 60
+        if budget > 0 and time.time() - self.t0 > budget:
+            return f"compare.max_minutes={self.cfg.compare.max_minutes} reached"
+        return None
+
+    def run_cell(self, i: int) -> None:
+        """Run cell ``i`` in a child process and record its result (also in its ``result.json``)."""
+        if _STOP.is_set():
+            return
+        cell = self.grid[i]
+        n = len(self.todo)
+        reason = self._skip_reason()
+        if reason is not None:
+            self.results[i] = _cell_result(cell, "not run", reason)
+            if reason != _FAILED_FIRST:
+                k = self.todo.index(i) + 1
+                print(f"[apexw-compare] [{k}/{n}] {cell['name']}: not run (time budget used)", flush=True)
+            return
+        run_dir = self.runs_dir / cell["name"]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        res_path = run_dir / "result.json"
+        res_path.unlink(missing_ok=True)  # a failed earlier attempt's, on resume: never read as this run's
+        args = ["--config", str(self.config_path), "--output-dir", str(run_dir), "--optim", cell["optim"]]
+        args += ["--lr", repr(cell["lr"]), "--seed", str(cell["seed"])]
+        ts = time.time()
+        args += ["--prepared", str(self.out / "prepared_paths.json")]
+        rc = _run_child(args, run_dir / "log.txt", self._env_of(cell))
+        dt = time.time() - ts
+        if res_path.is_file():
+            res = json.loads(res_path.read_text())
+        else:
+            why = f"killed by signal {-rc} before it finished" if rc < 0 else f"exit code {rc}, no result file"
+            res = _cell_result(cell, "failed", why)
+        res["run_name"], res["process_seconds"] = cell["name"], round(dt, 2)
+        if "device" in cell:
+            res["cuda_device"] = cell["device"]
+        self.results[i] = res
+        with self.lock:
+            if self.done == 0 and res["status"] == "failed":
+                self.failed_first.append(cell["name"])
+            self.durations.append(dt)
+            self.done += 1
+            done, left = self.done, n - self.done
+            eta = (sum(self.durations) / len(self.durations)) * left / max(1, self.jobs)
+        print(
+            f"[apexw-compare] [{done}/{n}] {cell['name']} ({dt:.1f} s): {_outcome(res, run_dir)}  | elapsed "
+            f"{time.time() - self.t0:.0f} s, ~{eta:.0f} s left",
+            flush=True,
+        )
+        _write_json(res_path, res)
+
+
 def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int, resume: bool = False) -> list[dict[str, Any]]:
     """Prepare the shared base once, then run every grid cell in its own process; return the result dicts.
 
@@ -279,159 +426,20 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int, resume:
         raise FileExistsError(f"{runs_dir} holds the runs of an earlier grid; resume it, or clear it first")
     runs_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    print(f"[apexw-compare] preparing the shared base model/tokenizer in {out}/base ...", flush=True)
-    rc = _run_child(
-        ["--config", str(config_path), "--output-dir", str(out), "--prepare-only"], out / "prepare.log", env
-    )
-    if rc != 0:
-        raise RuntimeError(
-            f"preparing the base model failed (exit {rc}); log {out / 'prepare.log'}:\n{_tail(out / 'prepare.log')}"
-        )
-    print(f"[apexw-compare] base ready in {time.time() - t0:.1f} s", flush=True)
+    _prepare_base(config_path, out, env)
     if cfg.compare.warmup_run:
-        tw = time.time()
-        wdir = out / "warmup"
-        wdir.mkdir(exist_ok=True)
-        rc = _run_child(
-            [
-                "--config",
-                str(config_path),
-                "--output-dir",
-                str(wdir),
-                "--optim",
-                cfg.compare.optimizers[0],
-                "--set",
-                "train.max_steps=5",
-                "--set",
-                "data.validation_samples=0",
-                "--prepared",
-                str(out / "prepared_paths.json"),
-            ],
-            wdir / "log.txt",
-            env,
-        )
-        print(
-            f"[apexw-compare] warm-up run (fills compile caches, not reported): exit {rc}, {time.time() - tw:.1f} s",
-            flush=True,
-        )
-    grid = plan_grid(cfg)
-    results: list[dict[str, Any] | None] = [None] * len(grid)
-    todo = []
-    for i, cell in enumerate(grid):
-        kept = _completed(runs_dir / cell["name"] / "result.json") if resume else None
-        if kept is None:
-            todo.append(i)
-        else:
-            results[i] = kept
+        _warmup_run(cfg, config_path, out, env)
+    grid = _Grid(cfg, config_path, out, env, jobs, resume)
+    grid.t0 = t0  # compare.max_minutes counts from the start, preparation included
     if resume:
         print(
-            f"[apexw-compare] resuming: {len(grid) - len(todo)} of {len(grid)} runs finished earlier and are kept, "
-            f"{len(todo)} to run",
+            f"[apexw-compare] resuming: {len(grid.grid) - len(grid.todo)} of {len(grid.grid)} runs finished earlier "
+            f"and are kept, {len(grid.todo)} to run",
             flush=True,
         )
-    n = len(todo)
-    done = 0
-    durations: list[float] = []
-    budget = cfg.compare.max_minutes * 60
-    failed_first: list[str] = []
-
-    def one(i: int) -> None:
-        nonlocal done
-        if _STOP.is_set():
-            return
-        cell = grid[i]
-        k = todo.index(i) + 1
-        if cfg.compare.fail_fast and failed_first:
-            results[i] = {
-                "status": "not run",
-                "reason": "the first run failed (compare.fail_fast)",
-                "optimizer": cell["optim"],
-                "learning_rate": cell["lr"],
-                "seed": cell["seed"],
-            }
-            return
-        if budget > 0 and time.time() - t0 > budget:
-            results[i] = {
-                "status": "not run",
-                "reason": f"compare.max_minutes={cfg.compare.max_minutes} reached",
-                "optimizer": cell["optim"],
-                "learning_rate": cell["lr"],
-                "seed": cell["seed"],
-            }
-            print(f"[apexw-compare] [{k}/{n}] {cell['name']}: not run (time budget used)", flush=True)
-            return
-        run_dir = runs_dir / cell["name"]
-        run_dir.mkdir(parents=True, exist_ok=True)
-        run_env = env
-        if "device" in cell:
-            dev = cell["device"]
-            run_env = {**env, "CUDA_VISIBLE_DEVICES": str(dev)}
-            if "APEXW_GPU_LOCK" in env:
-                run_env["APEXW_GPU_LOCK"] = f"{env['APEXW_GPU_LOCK']}.{dev}"
-        res_path = run_dir / "result.json"
-        res_path.unlink(missing_ok=True)  # a failed earlier attempt's, on resume: never read as this run's
-        ts = time.time()
-        rc = _run_child(
-            [
-                "--config",
-                str(config_path),
-                "--output-dir",
-                str(run_dir),
-                "--optim",
-                cell["optim"],
-                "--lr",
-                repr(cell["lr"]),
-                "--seed",
-                str(cell["seed"]),
-                "--prepared",
-                str(out / "prepared_paths.json"),
-            ],
-            run_dir / "log.txt",
-            run_env,
-        )
-        dt = time.time() - ts
-        if res_path.is_file():
-            res = json.loads(res_path.read_text())
-        else:
-            why = f"killed by signal {-rc} before it finished" if rc < 0 else f"exit code {rc}, no result file"
-            res = {
-                "status": "failed",
-                "reason": why,
-                "optimizer": cell["optim"],
-                "learning_rate": cell["lr"],
-                "seed": cell["seed"],
-            }
-        res["run_name"], res["process_seconds"] = cell["name"], round(dt, 2)
-        if "device" in cell:
-            res["cuda_device"] = cell["device"]
-        results[i] = res
-        if done == 0 and res["status"] == "failed":
-            failed_first.append(cell["name"])
-        durations.append(dt)
-        done += 1
-        left = n - done
-        eta = (sum(durations) / len(durations)) * left / max(1, jobs)
-        if res["status"] == "ok":
-            v = res.get("validation_loss")
-            what = (
-                f"loss {res['initial_train_loss']:.3f} -> {res['final_train_loss']:.3f}, val "
-                f"{'n/a' if v is None else f'{v:.3f}'}, {res['steps_per_s']:.2f} steps/s, state "
-                f"{res['optimizer_state_mib']:.3f} MiB"
-            )
-        else:
-            what = f"{res['status'].upper()}: {res.get('reason', '')}"
-            if res["status"] == "failed":
-                what += f"\n{_tail(run_dir / 'log.txt')}"
-        print(
-            f"[apexw-compare] [{done}/{n}] {cell['name']} ({dt:.1f} s): {what}  | elapsed "
-            f"{time.time() - t0:.0f} s, ~{eta:.0f} s left",
-            flush=True,
-        )
-        _write_json(res_path, res)
-
     pool = ThreadPoolExecutor(max_workers=jobs)
     try:
-        for fut in [pool.submit(one, i) for i in todo]:
+        for fut in [pool.submit(grid.run_cell, i) for i in grid.todo]:
             fut.result()
     except BaseException:
         _STOP.set()
@@ -439,7 +447,7 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int, resume:
         _stop_children()
         raise
     pool.shutdown()
-    return [r for r in results if r is not None]
+    return [r for r in grid.results if r is not None]
 
 
 def _load_results(out: Path) -> list[dict[str, Any]]:
@@ -464,7 +472,7 @@ def _error(text: str) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
     ap = argparse.ArgumentParser(
         prog="apexw-compare",
@@ -501,17 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         "--overwrite", action="store_true", help="delete the grid in the output folder first, then run a new one"
     )
     what.add_argument("--report-only", action="store_true", help="only rebuild CSV/table/plot from existing runs")
-    args = ap.parse_args(argv)
-    for option, text, kind in (("--lrs", args.lrs, float), ("--seeds", args.seeds, int)):
-        for item in (text or "").split(",") if text else []:
-            try:
-                kind(item)
-            except ValueError:
-                ap.error(
-                    f"{option} {text}: {item.strip()!r} is not {'a number' if kind is float else 'an integer'} "
-                    f"(give a comma-separated list, e.g. {option} {'1e-3,3e-3' if kind is float else '0,1,2'})"
-                )
-    _check_dependencies()
+    return ap
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` overrides with those of the shorthand options (``--optimizers``, ``--lrs``, ...) after them."""
     ov = list(args.overrides)
     for key, val in (("optimizers", args.optimizers), ("learning_rates", args.lrs), ("seeds", args.seeds)):
         if val:
@@ -522,81 +524,96 @@ def main(argv: list[str] | None = None) -> int:
         ov.append(f"compare.jobs={args.jobs}")
     if args.max_minutes is not None:
         ov.append(f"compare.max_minutes={args.max_minutes}")
-    # Everything is checked here, before a folder is made, a file written or deleted, or a model built.
-    try:
-        cfg = load_config(args.config or DEFAULT_CONFIG, ov)
-        out = Path(cfg.compare.output_dir).resolve()
-        stored = out / "config.json"
-        if args.resume and args.config is None and stored.is_file():
-            cfg = load_config(stored, ov)  # the grid's own config, with this call's overrides
-        validate_grid(cfg)
-    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed config, or a bad value
-        return _error(str(exc))
-    if args.report_only:
-        results = _load_results(out)
-        if not results:
-            print(f"[apexw-compare] no run results under {out / 'runs'}", file=sys.stderr)
-            return 1
-        return _report(results, cfg, out, time.time(), None)
-    earlier = earlier_grid(out)
+    return ov
+
+
+def _check_lists(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--lrs`` and ``--seeds`` are comma-separated numbers (argparse's exit 2 with the item that is not)."""
+    for option, text, kind in (("--lrs", args.lrs, float), ("--seeds", args.seeds, int)):
+        for item in (text or "").split(",") if text else []:
+            try:
+                kind(item)
+            except ValueError:
+                ap.error(
+                    f"{option} {text}: {item.strip()!r} is not {'a number' if kind is float else 'an integer'} "
+                    f"(give a comma-separated list, e.g. {option} {'1e-3,3e-3' if kind is float else '0,1,2'})"
+                )
+
+
+def _output_error(args: argparse.Namespace, cfg: RecipeConfig, out: Path, earlier: list[str]) -> str | None:
+    """Why this call may not write into ``out`` (an earlier grid there without --resume or --overwrite, a resume of
+    no grid or with another config), or None."""
+    stored = out / "config.json"
     if args.resume:
         if not stored.is_file():
-            return _error(
-                f"--resume: {out} holds no grid to resume (no config.json); run without --resume to start one"
-            )
+            return f"--resume: {out} holds no grid to resume (no config.json); run without --resume to start one"
         try:
             diffs = config_differences(json.loads(stored.read_text()), cfg.to_dict())
         except ValueError as exc:
-            return _error(f"--resume: {stored} is not readable JSON ({exc}); start a new grid in another --output-dir")
+            return f"--resume: {stored} is not readable JSON ({exc}); start a new grid in another --output-dir"
         if diffs:
-            return _error(
+            return (
                 f"--resume: this config differs from the grid's in {stored}: {'; '.join(diffs)}. Resume with the "
                 "same config and options (or none: the stored config is used), or start a new grid in another "
                 "--output-dir"
             )
     elif earlier and not args.overwrite:
-        return _error(
+        return (
             f"{out} holds an earlier grid ({', '.join(earlier)}), left unchanged. Give another --output-dir, "
             "--resume to finish that grid (only its missing runs), or --overwrite to delete it and start again"
         )
-    jobs = cfg.compare.jobs
-    ndev = max(1, len(cfg.compare.devices))
-    if cfg.compare.devices and _gpu_present():
-        import torch
+    return None
 
-        count = torch.cuda.device_count()
-        missing = [d for d in cfg.compare.devices if d >= count]
-        if missing:
-            return _error(
-                f"compare.devices={cfg.compare.devices} names GPU(s) {missing}, but this machine has {count} "
-                f"(indices 0..{count - 1}); set compare.devices to those or leave it empty"
-            )
-    if args.overwrite and earlier:
-        for name in ("runs", "warmup"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        for name in _GRID_FILES:
-            (out / name).unlink(missing_ok=True)
-        print(f"[apexw-compare] --overwrite: deleted the earlier grid in {out} ({', '.join(earlier)})", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    if not args.resume:
-        _write_json(stored, cfg.to_dict())  # the exact config every child reads, overrides applied
-    if jobs > 1 and _gpu_present():
-        if cfg.compare.runs_per_device == 1:
-            os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
-            print(
-                f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
-                f"training and evaluation hold a lock, one run at a time per GPU ({ndev} GPU(s))",
-                flush=True,
-            )
-        else:
-            os.environ.pop("APEXW_GPU_LOCK", None)
-            print(
-                f"[apexw-compare] GPU present: up to {jobs} runs at a time over {ndev} GPU(s), "
-                f"compare.runs_per_device={cfg.compare.runs_per_device} sharing each GPU: steps/s are measured "
-                "under sharing (peak memory is per process)",
-                flush=True,
-            )
+
+def _devices_error(cfg: RecipeConfig) -> str | None:
+    """Why ``compare.devices`` cannot be used on this machine (a GPU index it does not have), or None."""
+    if not (cfg.compare.devices and _gpu_present()):
+        return None
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [d for d in cfg.compare.devices if d >= count]
+    if missing:
+        return (
+            f"compare.devices={cfg.compare.devices} names GPU(s) {missing}, but this machine has {count} "
+            f"(indices 0..{count - 1}); set compare.devices to those or leave it empty"
+        )
+    return None
+
+
+def _share_gpus(cfg: RecipeConfig, out: Path, jobs: int) -> None:
+    """With several runs at a time on a GPU machine: one run at a time per GPU through a lock (the children take it
+    around loading, training and evaluation), unless ``compare.runs_per_device`` lets runs share a GPU."""
+    if not (jobs > 1 and _gpu_present()):
+        return
+    ndev = max(1, len(cfg.compare.devices))
+    if cfg.compare.runs_per_device == 1:
+        os.environ["APEXW_GPU_LOCK"] = str(out / "gpu.lock")
+        print(
+            f"[apexw-compare] GPU present: {jobs} runs overlap only their start-up (imports); model loading, "
+            f"training and evaluation hold a lock, one run at a time per GPU ({ndev} GPU(s))",
+            flush=True,
+        )
+    else:
+        os.environ.pop("APEXW_GPU_LOCK", None)
+        print(
+            f"[apexw-compare] GPU present: up to {jobs} runs at a time over {ndev} GPU(s), "
+            f"compare.runs_per_device={cfg.compare.runs_per_device} sharing each GPU: steps/s are measured "
+            "under sharing (peak memory is per process)",
+            flush=True,
+        )
+
+
+def _delete_grid(out: Path, earlier: list[str]) -> None:
+    """--overwrite: the earlier grid's runs and reports (the shared base/ cache stays)."""
+    for name in ("runs", "warmup"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in _GRID_FILES:
+        (out / name).unlink(missing_ok=True)
+    print(f"[apexw-compare] --overwrite: deleted the earlier grid in {out} ({', '.join(earlier)})", flush=True)
+
+
+def _announce(cfg: RecipeConfig, out: Path, jobs: int) -> None:
     n = len(plan_grid(cfg))
     n_lrs = len({lr for o in cfg.compare.optimizers for lr in cfg.compare.learning_rates_of(o)})
     print(
@@ -606,12 +623,18 @@ def main(argv: list[str] | None = None) -> int:
         f"runs, {jobs} at a time; output {out}",
         flush=True,
     )
+
+
+def _run_to_end(cfg: RecipeConfig, out: Path, jobs: int, resume: bool):
+    """:func:`run_grid` until it ends or is interrupted (Ctrl-C, SIGTERM: the running children are stopped and the
+    runs that finished are reported); the results, the interruption (or None) and the grid's meta data."""
+    t0 = time.time()
     load0 = os.getloadavg()
     # `timeout` or a scheduler sends SIGTERM: unwind through the finally below, which stops the running children
     on_sigterm = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     interrupted = None
     try:
-        results = run_grid(cfg, stored, out, jobs, resume=args.resume)
+        results = run_grid(cfg, out / "config.json", out, jobs, resume=resume)
     except (KeyboardInterrupt, SystemExit) as exc:  # Ctrl-C or SIGTERM: report the runs that finished
         interrupted = exc
         _stop_children()
@@ -630,8 +653,47 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_1min_start": round(load0[0], 2),
         "loadavg_1min_end": round(os.getloadavg()[0], 2),
         "interrupted": interrupted is not None,
-        "resumed": args.resume,
+        "resumed": resume,
     }
+    return results, interrupted, meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check_lists(ap, args)
+    _check_dependencies()
+    ov = _overrides(args)
+    # Everything is checked here, before a folder is made, a file written or deleted, or a model built.
+    try:
+        cfg = load_config(args.config or DEFAULT_CONFIG, ov)
+        out = Path(cfg.compare.output_dir).resolve()
+        stored = out / "config.json"
+        if args.resume and args.config is None and stored.is_file():
+            cfg = load_config(stored, ov)  # the grid's own config, with this call's overrides
+        validate_grid(cfg)
+    except (OSError, ValueError, TypeError) as exc:  # a missing or malformed config, or a bad value
+        return _error(str(exc))
+    if args.report_only:
+        results = _load_results(out)
+        if not results:
+            print(f"[apexw-compare] no run results under {out / 'runs'}", file=sys.stderr)
+            return 1
+        return _report(results, cfg, out, time.time(), None)
+    earlier = earlier_grid(out)
+    problem = _output_error(args, cfg, out, earlier) or _devices_error(cfg)
+    if problem:
+        return _error(problem)
+    if args.overwrite and earlier:
+        _delete_grid(out, earlier)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if not args.resume:
+        _write_json(stored, cfg.to_dict())  # the exact config every child reads, overrides applied
+    jobs = cfg.compare.jobs
+    _share_gpus(cfg, out, jobs)
+    _announce(cfg, out, jobs)
+    results, interrupted, meta = _run_to_end(cfg, out, jobs, args.resume)
     (out / "grid_meta.json").write_text(json.dumps(meta, indent=1))
     if interrupted is not None and not results:
         raise interrupted

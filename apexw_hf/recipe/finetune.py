@@ -318,12 +318,8 @@ def training_memory(model: Any, opt: Any) -> dict[str, Any]:
     }
 
 
-def run_finetune(
-    cfg: RecipeConfig, output_dir: str | Path, prepared: dict | None = None, verbose: bool = True
-) -> dict[str, Any]:
-    """Run one fine-tune; return (and write to ``<output_dir>/result.json``) its result dict."""
-    out_dir = Path(output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _result_header(cfg: RecipeConfig) -> dict[str, Any]:
+    """What a run is: optimizer, fine-tuning kind, parameter dtype, learning rate, seed, config."""
     t = cfg.train
     result: dict[str, Any] = {
         "status": "ok",
@@ -338,6 +334,108 @@ def run_finetune(
     }
     if t.optim_args:
         result["optim_args"] = t.optim_args
+    return result
+
+
+def _optimizer_facts(cfg: RecipeConfig, opt, model, result: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's class, state bytes, the training memory and, for ApexW, the engines that ran (into
+    ``result``); returns :func:`training_memory`'s dict."""
+    import apexw_hf
+
+    real_opt = getattr(opt, "optimizer", opt)
+    result["optimizer_class"] = _check_optimizer_class(cfg.train.optim, real_opt)
+    result["optimizer_state_bytes"] = int(apexw_hf.optimizer_state_bytes(opt))
+    result["optimizer_state_mib"] = result["optimizer_state_bytes"] / 2**20
+    mem = training_memory(model, real_opt)
+    result.update(mem)
+    norms = check_trainable_dtypes(model, result["param_dtype"], cfg.train.backend)
+    if norms is not None:
+        result["fp32_norm_params"] = norms
+    engines = sorted({str(g["engine"]) for g in real_opt.param_groups if "engine" in g})
+    if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
+        result["optimizer_engine"] = ",".join(engines)
+        triton_engine = getattr(real_opt, "_engine", None)
+        result["optimizer_triton_engine_used"] = triton_engine is not None
+        if triton_engine is not None:  # steps that found the gradients at new addresses (host time; engine.py)
+            result["optimizer_grad_moves"] = triton_engine.grad_moves
+        cpu_engine = getattr(real_opt, "_cpu_engine", None)  # the plain-PyTorch engine, and its fused numba path
+        result["optimizer_torch_engine_used"] = cpu_engine is not None
+        result["optimizer_numba_used"] = bool(getattr(cpu_engine, "numba_used", False))
+    return mem
+
+
+def _process_facts() -> dict[str, Any]:
+    """Peak GPU memory (where there is a GPU), peak RSS and CPU seconds of this process so far."""
+    import torch
+
+    out = {}
+    if torch.cuda.is_available():
+        out["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_gpu_mem_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out["peak_rss_gib"] = usage.ru_maxrss / 2**20  # Linux: KiB
+    out["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 2)  # this process, up to the end of training
+    return out
+
+
+def _training_facts(cfg: RecipeConfig, trainer, train_out, timer, release: bool) -> dict[str, Any]:
+    """Steps, speed, the optimizer step's time and the losses the Trainer logged."""
+    metrics = train_out.metrics
+    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    if not losses:
+        raise RuntimeError("the trainer logged no training loss; set train.logging_steps to a small value")
+    window = [loss for _, loss in losses[-cfg.train.final_loss_window :]]
+    return {
+        "global_steps": trainer.state.global_step,
+        "train_runtime_s": metrics.get("train_runtime"),
+        "steps_per_s": metrics.get("train_steps_per_second"),
+        "steps_per_s_steady": _steady_steps_per_s(timer.times),
+        # with gradient release the update runs inside backward: step() only closes the step, so its time would
+        # not be the optimizer's (the update's time is in steps/s)
+        "optimizer_step_ms": None if release else timer.optimizer_step_ms(),
+        "train_loss_mean": metrics.get("train_loss"),
+        "initial_train_loss": losses[0][1],
+        "final_train_loss": sum(window) / len(window),
+        "last_train_loss": losses[-1][1],
+        "loss_curve": [[s, loss] for s, loss in losses],
+    }
+
+
+def _make_trainer(cfg: RecipeConfig, model, tok, train_ds, val_ds, out_dir: Path, precision: str, timer, result: dict):
+    """The Trainer of a run, with the step timer and ApexW's state callback (None, and the reason in ``result``,
+    where the callback cannot be imported)."""
+    from transformers import Trainer
+
+    from .data import PadCollator
+
+    callbacks = [timer]
+    state_cb = None
+    try:
+        from apexw_hf.integrations.callbacks import OptimizerStateCallback
+
+        state_cb = OptimizerStateCallback()
+        callbacks.insert(0, state_cb)
+    except ImportError as exc:
+        result["callback_missing"] = str(exc)
+    trainer = Trainer(
+        model=model,
+        args=build_training_arguments(cfg, out_dir, precision),
+        train_dataset=train_ds,
+        eval_dataset=val_ds or None,
+        data_collator=PadCollator(tok.pad_token_id, cfg.data.pad_to_multiple_of),
+        callbacks=callbacks,
+    )
+    return trainer, state_cb
+
+
+def run_finetune(
+    cfg: RecipeConfig, output_dir: str | Path, prepared: dict | None = None, verbose: bool = True
+) -> dict[str, Any]:
+    """Run one fine-tune; return (and write to ``<output_dir>/result.json``) its result dict."""
+    out_dir = Path(output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t = cfg.train
+    result = _result_header(cfg)
     backend, why = select_backend(cfg)
     result["backend"], result["backend_reason"] = backend, why
     if backend == "unsloth":
@@ -347,11 +445,9 @@ def run_finetune(
     if t.torch_threads > 0:
         torch.set_num_threads(t.torch_threads)
     probe_optimizer(t.optim)
-    from transformers import Trainer
+    import apexw_hf  # noqa: F401 - registers the apexw_* optim names with transformers
 
-    import apexw_hf  # registers the apexw_* optim names with transformers
-
-    from .data import PadCollator, load_chat_data, tokenize_chat
+    from .data import load_chat_data, tokenize_chat
 
     prepared = prepared or prepare_base(cfg, out_dir, verbose=verbose)
     precision = resolve_precision(cfg)
@@ -371,72 +467,16 @@ def run_finetune(
     train_ds = tokenize_chat(data.train, tok, cfg.model.max_seq_length, cfg.data.train_on_responses_only)
     val_ds = tokenize_chat(data.validation, tok, cfg.model.max_seq_length, cfg.data.train_on_responses_only)
     n_train_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    args = build_training_arguments(cfg, out_dir, precision)
     timer = _StepTimer()
-    callbacks = [timer]
-    state_cb = None
-    try:
-        from apexw_hf.integrations.callbacks import OptimizerStateCallback
-
-        state_cb = OptimizerStateCallback()
-        callbacks.insert(0, state_cb)
-    except ImportError as exc:
-        result["callback_missing"] = str(exc)
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=train_ds,
-        eval_dataset=val_ds or None,
-        data_collator=PadCollator(tok.pad_token_id, cfg.data.pad_to_multiple_of),
-        callbacks=callbacks,
-    )
+    trainer, state_cb = _make_trainer(cfg, model, tok, train_ds, val_ds, out_dir, precision, timer, result)
     t_train = time.time()
     train_out = trainer.train()
     t_train_end = time.time()
-    opt = trainer.optimizer
-    real_opt = getattr(opt, "optimizer", opt)
-    result["optimizer_class"] = _check_optimizer_class(t.optim, real_opt)
-    result["optimizer_state_bytes"] = int(apexw_hf.optimizer_state_bytes(opt))
-    result["optimizer_state_mib"] = result["optimizer_state_bytes"] / 2**20
-    mem = training_memory(model, real_opt)
-    result.update(mem)
-    norms = check_trainable_dtypes(model, result["param_dtype"], t.backend)
-    if norms is not None:
-        result["fp32_norm_params"] = norms
-    engines = sorted({str(g["engine"]) for g in real_opt.param_groups if "engine" in g})
-    if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
-        result["optimizer_engine"] = ",".join(engines)
-        triton_engine = getattr(real_opt, "_engine", None)
-        result["optimizer_triton_engine_used"] = triton_engine is not None
-        if triton_engine is not None:  # steps that found the gradients at new addresses (host time; engine.py)
-            result["optimizer_grad_moves"] = triton_engine.grad_moves
-        cpu_engine = getattr(real_opt, "_cpu_engine", None)  # the plain-PyTorch engine, and its fused numba path
-        result["optimizer_torch_engine_used"] = cpu_engine is not None
-        result["optimizer_numba_used"] = bool(getattr(cpu_engine, "numba_used", False))
-    if torch.cuda.is_available():
-        result["peak_gpu_mem_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        result["peak_gpu_mem_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    result["peak_rss_gib"] = usage.ru_maxrss / 2**20  # Linux: KiB
-    result["cpu_seconds"] = round(usage.ru_utime + usage.ru_stime, 2)  # this process, up to the end of training
-    metrics = train_out.metrics
-    losses = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    if not losses:
-        raise RuntimeError("the trainer logged no training loss; set train.logging_steps to a small value")
-    window = [loss for _, loss in losses[-t.final_loss_window :]]
+    mem = _optimizer_facts(cfg, trainer.optimizer, model, result)
+    result.update(_process_facts())
+    result.update(_training_facts(cfg, trainer, train_out, timer, bool(mem.get("gradient_release"))))
     result.update(
         {
-            "global_steps": trainer.state.global_step,
-            "train_runtime_s": metrics.get("train_runtime"),
-            "steps_per_s": metrics.get("train_steps_per_second"),
-            "steps_per_s_steady": _steady_steps_per_s(timer.times),
-            # with gradient release the update runs inside backward: step() only closes the step, so its time would
-            # not be the optimizer's (the update's time is in steps/s)
-            "optimizer_step_ms": None if mem.get("gradient_release") else timer.optimizer_step_ms(),
-            "train_loss_mean": metrics.get("train_loss"),
-            "initial_train_loss": losses[0][1],
-            "final_train_loss": sum(window) / len(window),
-            "last_train_loss": losses[-1][1],
             "trainable_params": n_train_params,
             "train_samples": len(train_ds),
             "validation_samples": len(val_ds),
@@ -445,8 +485,7 @@ def run_finetune(
         }
     )
     if val_ds:
-        ev = trainer.evaluate()
-        result["validation_loss"] = ev["eval_loss"]
+        result["validation_loss"] = trainer.evaluate()["eval_loss"]
     t_end = time.time()
     result["timing_s"] = {
         "startup_to_model_load": round(t_load - _T0, 2),
@@ -455,7 +494,6 @@ def run_finetune(
         "eval": round(t_end - t_train_end, 2),
         "total": round(t_end - _T0, 2),
     }
-    result["loss_curve"] = [[s, loss] for s, loss in losses]
     result["log_history"] = trainer.state.log_history
     result["environment"] = _environment(backend)
     result["prepared"] = prepared

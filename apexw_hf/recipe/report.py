@@ -346,6 +346,22 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
     lrs = list(dict.fromkeys(cfg.compare.learning_rates))
     opts = list(dict.fromkeys(cfg.compare.optimizers + [r["optimizer"] for r in results]))
     gpu = any(r.get("peak_gpu_mem_allocated_gib") is not None for r in ok)
+    per_param = any(r.get("train_bytes_per_param") is not None for r in ok)
+    lines = _summary_header(results, cfg, meta, gpu, per_param)
+    head_lines = _headline(results, cfg, opts)
+    if head_lines:
+        head_lines[-1:-1] = _timing_note(meta, gpu)
+    lines += head_lines
+    lines += _runs_table(results, lrs, opts, gpu, per_param)
+    lines += ["", *_best_lr_section(results, cfg, opts), *_significance(results, cfg, lrs, opts)]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_header(
+    results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, Any] | None, gpu: bool, per_param: bool
+) -> list[str]:
+    """The summary's title and the bullet list of what ran where (devices, versions, commit, grid, columns)."""
+    ok = [r for r in results if r.get("status") == "ok"]
     envs = [r.get("environment") or {} for r in ok]
     devices = sorted({e.get("device", "?") for e in envs})
     backends = sorted({r.get("backend", "?") for r in ok})
@@ -405,19 +421,20 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
             "- no GPU: the memory column is the run process's peak resident set size (CPU RAM, Python and "
             "libraries included), not GPU memory."
         )
-    lines.append("")
-    mem_h = "peak GPU mem allocated (GiB)" if gpu else "peak RSS (GiB, CPU)"
-    per_param = any(r.get("train_bytes_per_param") is not None for r in ok)
     if per_param:
-        lines.insert(
-            -1,
+        lines.append(
             "- bytes/param = (trainable parameters + their gradients + optimizer state) / trainable parameters: what "
-            "training keeps per parameter before activations (gradients have the parameter's dtype).",
+            "training keeps per parameter before activations (gradients have the parameter's dtype)."
         )
-    head_lines = _headline(results, cfg, opts)
-    if head_lines:
-        head_lines[-1:-1] = _timing_note(meta, gpu)
-    lines += head_lines
+    lines.append("")
+    return lines
+
+
+def _runs_table(results: list[dict[str, Any]], lrs: list, opts: list[str], gpu: bool, per_param: bool) -> list[str]:
+    """Every run per learning rate: one row per optimizer, mean +- std over seeds."""
+    ok = [r for r in results if r.get("status") == "ok"]
+    mem_h = "peak GPU mem allocated (GiB)" if gpu else "peak RSS (GiB, CPU)"
+    lines = []
     lines += ["## Every run, per learning rate", ""]
     # runs stored before the reserved figure was recorded have no such key: the column appears when some run has it
     reserved = gpu and any(r.get("peak_gpu_mem_reserved_gib") is not None for r in ok)
@@ -462,8 +479,7 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
         if bad:
             row[0] += f" ({len(bad)} run(s) {', '.join(sorted({r.get('status') for r in bad}))})"
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", *_best_lr_section(results, cfg, opts), *_significance(results, cfg, lrs, opts)]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _by_seed(runs: list[dict[str, Any]], key: str) -> dict[Any, float]:
@@ -561,6 +577,54 @@ def _smooth(ys: list[float], k: int) -> list[float]:
     return out
 
 
+def _plot_optimizer(
+    ax, dax, curves: list[dict], pairs: list[tuple[dict, dict]], label: str, diff_label: str, color: str, smooth: int
+) -> None:
+    """One optimizer in one panel: its mean training loss over seeds with the min-max band and the validation loss
+    (``ax``), and its mean difference from the baseline on the same seeds (``dax``, from ``pairs``: (run, baseline
+    run))."""
+    n = min(len(r["loss_curve"]) for r in curves)
+    steps = [st for st, _ in curves[0]["loss_curve"][:n]]
+    per_seed = [_smooth([loss for _, loss in r["loss_curve"][:n]], smooth) for r in curves]
+    mean = [statistics.fmean(c[i] for c in per_seed) for i in range(n)]
+    ax.plot(steps, mean, label=label, lw=1.3, color=color)
+    if len(per_seed) > 1:
+        ax.fill_between(
+            steps,
+            [min(c[i] for c in per_seed) for i in range(n)],
+            [max(c[i] for c in per_seed) for i in range(n)],
+            color=color,
+            alpha=0.12,
+        )
+    vals = [r["validation_loss"] for r in curves if r.get("validation_loss") is not None]
+    if vals:
+        ax.errorbar(
+            [steps[-1]],
+            [statistics.fmean(vals)],
+            yerr=[statistics.stdev(vals) if len(vals) > 1 else 0],
+            fmt="o",
+            color=color,
+            ms=5,
+            capsize=3,
+        )
+    if pairs:
+        m = min(n, *(len(b["loss_curve"]) for _, b in pairs))
+        diffs = [
+            _smooth(
+                [a - b for (_, a), (_, b) in zip(r["loss_curve"][:m], br["loss_curve"][:m], strict=True)],
+                smooth,
+            )
+            for r, br in pairs
+        ]
+        dax.plot(
+            steps[:m],
+            [statistics.fmean(d[i] for d in diffs) for i in range(m)],
+            color=color,
+            lw=1.2,
+            label=diff_label,
+        )
+
+
 def plot_curves(results: list[dict[str, Any]], cfg: RecipeConfig, path: Path, smooth: int = 5) -> None:
     """Top row: training loss per optimizer (mean over seeds, min-max band, dot = validation loss). Bottom row: the
     difference from the baseline on the same seed, averaged over seeds (the curves on top overlap when the
@@ -599,49 +663,12 @@ def plot_curves(results: list[dict[str, Any]], cfg: RecipeConfig, path: Path, sm
             curves = [r for r in ok if r["optimizer"] == o and r["learning_rate"] == lr_of.get(o)]
             if not curves:
                 continue
-            n = min(len(r["loss_curve"]) for r in curves)
-            steps = [st for st, _ in curves[0]["loss_curve"][:n]]
-            per_seed = [_smooth([loss for _, loss in r["loss_curve"][:n]], smooth) for r in curves]
-            mean = [statistics.fmean(c[i] for c in per_seed) for i in range(n)]
             best_col = col >= len(lrs)
             label = f"{optimizer_label(o)} (n={len(curves)}" + (f", lr {_lr(lr_of[o])})" if best_col else ")")
-            ax.plot(steps, mean, label=label, lw=1.3, color=colors[o])
-            if len(per_seed) > 1:
-                ax.fill_between(
-                    steps,
-                    [min(c[i] for c in per_seed) for i in range(n)],
-                    [max(c[i] for c in per_seed) for i in range(n)],
-                    color=colors[o],
-                    alpha=0.12,
-                )
-            vals = [r["validation_loss"] for r in curves if r.get("validation_loss") is not None]
-            if vals:
-                ax.errorbar(
-                    [steps[-1]],
-                    [statistics.fmean(vals)],
-                    yerr=[statistics.stdev(vals) if len(vals) > 1 else 0],
-                    fmt="o",
-                    color=colors[o],
-                    ms=5,
-                    capsize=3,
-                )
             pairs = [(r, base_runs[r["seed"]]) for r in curves if r["seed"] in base_runs and o != base]
-            if pairs:
-                m = min(n, *(len(b["loss_curve"]) for _, b in pairs))
-                diffs = [
-                    _smooth(
-                        [a - b for (_, a), (_, b) in zip(r["loss_curve"][:m], br["loss_curve"][:m], strict=True)],
-                        smooth,
-                    )
-                    for r, br in pairs
-                ]
-                dax.plot(
-                    steps[:m],
-                    [statistics.fmean(d[i] for d in diffs) for i in range(m)],
-                    color=colors[o],
-                    lw=1.2,
-                    label=f"{optimizer_label(o)} (n={len(pairs)} seeds)",
-                )
+            _plot_optimizer(
+                ax, dax, curves, pairs, label, f"{optimizer_label(o)} (n={len(pairs)} seeds)", colors[o], smooth
+            )
         ax.set_title(f"{cfg.name}: {title}")
         ax.set_ylabel(f"training loss (moving average of {smooth})")
         ax.grid(alpha=0.3)

@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from apexw_hf import ApexW
+from apexw_hf import dtensor as dt
 from apexw_hf import reference as ref
-from apexw_hf.optim import dtensor as dt
 
 from . import workers as w
 

@@ -5,8 +5,8 @@ import torch
 import torch.distributed as dist
 
 from apexw_hf import ApexW
+from apexw_hf import dtensor as dt
 from apexw_hf import reference as ref
-from apexw_hf.optim import dtensor as dt
 
 from . import workers as w
 from .test_fsdp_ddp import _spawn

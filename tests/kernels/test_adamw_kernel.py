@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from apexw_hf import formats as st
 from apexw_hf import reference as ref
 from apexw_hf.engines.triton.kernels import adamw_step_
-from apexw_hf.optim import state as st
 
 from .helpers import DEVICE, DTYPES, SHAPES, mismatch, same_bits
 

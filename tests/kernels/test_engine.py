@@ -390,3 +390,23 @@ def test_engine_reads_changed_hyperparameters_every_step(change):
                 group["betas"][0] -= 0.1
         runs.append(p.detach().clone())
     assert same_bits(runs[0], runs[1]), mismatch(runs[0], runs[1])
+
+
+def test_launch_reads_the_layouts_of_formats():
+    """The launch table checks state tensors against ``apexw_hf.formats`` (issue 43: one home of the layouts); these
+    are the dtypes and block sizes it had written out before (8-bit at format version 3)."""
+    from apexw_hf.engines.triton.kernels import launch
+
+    assert launch.BLOCK_OF == {"8bit": 256, "4bit": 128}
+    assert launch._STATE_DTYPES == {
+        "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
+        "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
+        "8bit": {
+            "exp_avg": torch.uint8,
+            "exp_avg_sq": torch.uint8,
+            "exp_avg_scale": torch.bfloat16,
+            "exp_avg_sq_scale": torch.float32,  # 8-bit format version 3
+        },
+        "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
+    }
+    assert [list(d) for d in launch._STATE_DTYPES.values()] == [list(d) for d in launch.STATE_ROW.values()]

@@ -6,10 +6,10 @@ engine: ``step()``, gradient release with and without clipping, and state offloa
 import pytest
 import torch
 
+from apexw_hf import formats as st
 from apexw_hf import reference as ref
 from apexw_hf.engines.triton.kernels import adamw_step_
 from apexw_hf.optim import ApexW
-from apexw_hf.optim import state as st
 
 from ..optim.test_gradient_release import groups, loss_of, make
 from .helpers import DEVICE, DTYPES, mismatch, same_bits

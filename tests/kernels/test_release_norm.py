@@ -98,7 +98,7 @@ def plan_of(grads, fmt="4bit", steps=None):
     """A launch plan over parameters shaped like ``grads``, its gradient addresses set (0 for the tensors whose entry
     of ``steps`` is False: not stepping now)."""
     from apexw_hf.engines.triton.kernels import LaunchPlan
-    from apexw_hf.optim.state import init_state
+    from apexw_hf.formats import init_state
 
     params = [torch.zeros_like(g, dtype=torch.bfloat16) for g in grads]
     states = [init_state(p, fmt) for p in params]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from apexw_hf import ApexW, ApexW4bit
+from apexw_hf import formats as st
 from apexw_hf import reference as ref
-from apexw_hf.optim import state as st
 
 from .helpers import same_bits
 

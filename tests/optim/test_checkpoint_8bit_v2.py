@@ -14,7 +14,7 @@ import torch
 
 from apexw_hf import ApexW, ApexW8bit
 from apexw_hf import reference as ref
-from apexw_hf.optim import state as st
+from apexw_hf import formats as st
 
 from .helpers import same_bits
 

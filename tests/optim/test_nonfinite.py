@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from apexw_hf import ApexW
+from apexw_hf import formats as st
 from apexw_hf import reference as ref
 from apexw_hf.engines import torch as torch_engine
-from apexw_hf.optim import state as st
 from apexw_hf.optim.nonfinite import NONFINITE_MODES
 
 from .helpers import FORMATS, same_bits

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from apexw_hf import reference as ref
-from apexw_hf.optim.state import init_state, state_tensor_bytes
+from apexw_hf.formats import init_state, state_tensor_bytes
 
 from .helpers import lora_3b_shapes
 

@@ -16,9 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from apexw_hf import ApexW, reference
+from apexw_hf import dtensor as dt
 from apexw_hf.engines import torch as torch_engine
 from apexw_hf.engines import torch_passes
-from apexw_hf.optim import dtensor as dt
 
 from ..distributed import workers
 from .helpers import FORMATS, SHAPES, same_bits

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from apexw_hf import ApexW4bit
+from apexw_hf import formats as st
 from apexw_hf import reference as ref
-from apexw_hf.optim import state as st
 
 N, LR, BURST = 512, 1e-3, 20
 

@@ -41,9 +41,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ... import dtensor as dt
 from ... import reference as ref
-from ...optim import dtensor as dt
-from ...optim.hparams import step_hparams
+from ...hparams import step_hparams
 
 _SHAPE = operator.attrgetter("shape")
 _DEVICE = operator.attrgetter("device")

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import triton
 
+from .... import formats
 from ...._random import mix32, tensor_key, to_int32
 from . import adamw
 from .adamw import NUM_ADDR_ROWS, WORK_GROUP, _adamw_kernel
@@ -30,7 +31,7 @@ ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
 )
 
 QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit block)
-BLOCK_OF = {"8bit": 256, "4bit": 128}  # elements per block scale of the quantized formats
+BLOCK_OF = {fmt: formats.SCALE_BLOCKS[fmt] for fmt in ("8bit", "4bit")}  # elements per block scale (stepped formats)
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The kernel's parameters after its 23 runtime arguments, in signature order: LaunchPlan.launch passes them
@@ -93,19 +94,8 @@ MAX_REGISTERS = {
     ("4bit", torch.float32, False, True, False): 64,
 }
 
-_STATE_DTYPES = {
-    "fp32": {"exp_avg": torch.float32, "exp_avg_sq": torch.float32},
-    "compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
-    # 8-bit format version 3: fp32 v scales (versions 1 and 2 are converted on load, never stepped)
-    "8bit": {
-        "exp_avg": torch.uint8,
-        "exp_avg_sq": torch.uint8,
-        "exp_avg_scale": torch.bfloat16,
-        "exp_avg_sq_scale": torch.float32,
-    },
-    # 4-bit format version 2: fp32 v scales (version 1 state is converted on load, never stepped)
-    "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
-}
+# The state tensors' dtypes of the formats the kernel steps (version-1 state is converted on load, never stepped).
+_STATE_DTYPES = {fmt: formats.state_dtypes(fmt) for fmt in ("fp32", "compact", "8bit", "4bit")}
 
 
 # The address table's state rows (ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE) of each state tensor, by format: 4-bit
@@ -177,7 +167,7 @@ class LaunchPlan:
 
     Args:
         params: the parameters (contiguous, same dtype and device).
-        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.optim.state`), or None: every launch then takes
+        states: their state dicts (format ``fmt``, see :mod:`apexw_hf.formats`), or None: every launch then takes
             a :meth:`state_table` (state offload streams each launch's state through a device buffer).
         fmt: state format.
         tensor_indices: each parameter's index in the optimizer's global order (selects its random streams).

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from .. import reference as ref
+from . import reference as ref
 
 # ``torch.distributed.tensor`` costs ~1.6 s to import, a third of ``import apexw_hf``; it is imported on first use
 # instead. No tensor can be a ``DTensor`` before that module is imported, so ``is_dtensor`` only looks it up in

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import reference as ref
 from . import dtensor as dt
+from . import reference as ref
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
@@ -79,6 +79,12 @@ SCALE_DTYPES = {  # dtypes of (exp_avg_scale, exp_avg_sq_scale)
 def moment_keys(fmt: str) -> tuple[str, ...]:
     """The state keys of a format's moments (4-bit: both in one tensor)."""
     return (MV4_KEY,) if fmt in FOUR_BIT else MOMENT_KEYS
+
+
+def state_dtypes(fmt: str) -> dict[str, torch.dtype]:
+    """Each state tensor's key (moments first, then scales) -> its dtype, in format ``fmt``."""
+    keys = moment_keys(fmt) + (SCALE_KEYS if fmt in QUANTIZED else ())
+    return dict(zip(keys, MOMENT_DTYPES[fmt] + SCALE_DTYPES.get(fmt, ()), strict=True))
 
 
 def init_state(
