@@ -129,7 +129,9 @@ def _set_bad_grad(kind, p):
 
 
 @cases
-@pytest.mark.parametrize("kind, error, match", [("sparse", RuntimeError, "sparse gradients"), ("shape", ValueError, "shape")])
+@pytest.mark.parametrize(
+    "kind, error, match", [("sparse", RuntimeError, "sparse gradients"), ("shape", ValueError, "shape")]
+)
 @pytest.mark.parametrize("when", ["first", "later"])
 def test_bad_gradient_raises_and_changes_nothing(engine, fmt, kind, error, match, when):
     opt, pa, oracle, pb = _twins(engine, fmt)
