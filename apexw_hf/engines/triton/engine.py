@@ -180,8 +180,9 @@ class TritonEngine:
                     g = p.grad if p.grad is not None else p  # a stand-in of the param's dtype for the plan key
                 members.append(p)
                 member_grads.append(g)
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads):  # every gradient before any state: a bad one then creates none
             self._check_grad(p, g)
+        for p in params:
             opt._init_state(p, group)
         cache = _GroupCache(self, group, members, member_grads, streamed)
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
@@ -252,10 +253,14 @@ class TritonEngine:
         if not params:
             return
         hp = self._hparams(group)  # before any step counter moves: a bad value then changes nothing
-        if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
-            ptrs = [g.to_local().data_ptr() for g in grads]
-        else:
-            ptrs = list(map(torch.Tensor.data_ptr, grads))
+        try:
+            if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
+                ptrs = [g.to_local().data_ptr() for g in grads]
+            else:
+                ptrs = list(map(torch.Tensor.data_ptr, grads))
+        except RuntimeError:  # a gradient without storage (sparse): say which and why, as the torch engine does
+            self._check_grads(params, grads)
+            raise
         cache = self._cache.get((id(group), bucket))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
