@@ -249,6 +249,9 @@ class TritonEngine:
         of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, state table)``,
         the plan is launched over those work items with the state addresses of that table
         (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
+
+        One function of ~110 lines: it runs once per bucket on the host's critical path (gradient release, and LoRA
+        steps of hundreds of small tensors are host-bound), and its parts share the cache entry and a dozen locals.
         """
         if not params:
             return
