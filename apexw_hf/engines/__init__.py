@@ -32,13 +32,84 @@ from typing import Protocol
 
 
 class Engine(Protocol):
-    """What :class:`~apexw_hf.optim.ApexW` calls on an engine."""
+    """What :class:`~apexw_hf.optim.ApexW` calls on an engine: the contract every engine keeps.
+
+    ``tests/engines/test_contract.py`` checks each point below once for every engine (the torch engine with and
+    without its numba path, the Triton engine) and every state format, through ``ApexW(..., engine=...)``.
+
+    An engine is created once per optimizer and keeps a reference to it. From the optimizer it uses ``state`` (the
+    per-parameter state dicts), ``_init_state(p, group)`` (a missing state in the group's format:
+    :func:`apexw_hf.formats.init_state`, or state offload's host copy), ``_tensor_index(p)`` (the parameter's index
+    for the random streams) and ``_nonfinite`` (the counters of skipped non-finite blocks, when present).
+    """
 
     def step_group(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
-        """Update ``params`` (all of ``group``'s, or one gradient-release ``bucket`` of them) with ``grads``."""
+        """Apply one AdamW step to ``params`` of ``group``, in place, bit for bit as :mod:`apexw_hf.reference`.
+
+        Args:
+            group: the param group. Read: ``"lr"``, ``"betas"``, ``"eps"``, ``"weight_decay"`` (through
+                :func:`apexw_hf.hparams.step_hparams`, at every call: floats or 0-dim tensors a scheduler may change),
+                ``"state_format"``, ``"seed"``, ``"maximize"``, ``"param_rounding"``; the Triton engine also reads
+                ``"params"`` (the order of its cached launch plans). Nothing is written to it.
+            params: the parameters to step: those of ``group`` whose gradient is not None (or of one ``bucket`` of
+                them), in group order, all on one device (``ApexW`` splits a group that spans devices, one bucket
+                ``(bucket, device)`` each). Empty: nothing happens.
+            grads: their gradients, in the same order (the caller has read ``p.grad`` already; the engine does not
+                read ``.grad``). Dense, shaped like their parameter. The torch engine checks only these two; the
+                Triton engine also needs fp32, bf16 or fp16 gradients, contiguous, on the parameter's device.
+            bucket: a hashable name of this subset of the group: ``None`` for :meth:`ApexW.step`, the bucket's key for
+                gradient release, which steps a group bucket by bucket. Each ``(group, bucket)`` keeps its own cached
+                plan (chunk plan, launch plan), so a call covers exactly its tensors.
+
+        Keyword arguments of the Triton engine only (``TritonEngine.step_group``; ``TorchEngine.step_group`` does not
+        accept them, and ``ApexW`` passes them to the Triton engine alone):
+
+        - ``before_launch(plans)``: called once the launch plans hold this step's gradient addresses, before the
+          launches; returns None or a 1-element fp32 tensor that the kernel multiplies each gradient by first
+          (gradient release computes its bucket's norm there and returns the clip coefficient; on the torch engine
+          gradient release scales the gradients itself before the call).
+        - ``stager(plan, params, index)``: state offload; the state lives on the host and is staged on the device per
+          launch (state offload needs the Triton engine).
+
+        Effects, for each parameter ``p`` in ``params`` and nothing else:
+
+        - ``state = optimizer.state[p]`` is created if missing (``optimizer._init_state``), and ``state["step"]``
+          goes up by exactly 1 (a parameter of the group not in ``params`` keeps its count, its parameter and its
+          state; params of one call may be at different counts). ``state["step"]`` stays a 0-dim fp32 CPU tensor,
+          but both engines replace it by a view into one buffer per cached plan, so that one add moves them all;
+          the torch engine may also replace the moments of small tensors by views of a packed buffer (same values).
+        - ``p``, the moments and their scales are updated in place: the result is bit-identical to
+          ``reference.adamw_step_ref_(p, g, state, fmt=group["state_format"], scalars=StepScalars.make(step=t,
+          **step_hparams(group)), seed=group["seed"], tensor_index=optimizer._tensor_index(p), step=t,
+          maximize=group["maximize"], param_rounding=group["param_rounding"])`` with ``t`` the new step count, except
+          for the sign and payload bits of NaNs (IEEE leaves them to the hardware).
+        - Non-finite gradients (:func:`apexw_hf.reference.nonfinite_blocks`): every 256-element block of the
+          flattened gradient that holds a NaN or an infinity keeps its parameter elements, moments and scales; the
+          rest of the tensor is updated and the step counter still moves. The skipped blocks are added to
+          ``optimizer._nonfinite`` (which :attr:`ApexW.nonfinite_skipped` reads); on the Triton engine a
+          non-finite ``before_launch`` coefficient skips every block.
+
+        Raises (before any parameter, state tensor or step counter changes, and before any state is created):
+            RuntimeError: a sparse gradient ("ApexW does not support sparse gradients"), both engines. The Triton
+                engine also raises it for parameters it cannot run on (CPU parameters without the Triton
+                interpreter, CUDA parameters under it).
+            ValueError: a gradient whose shape is not its parameter's, both engines; the Triton engine also for a
+                gradient on another device or not contiguous. A tensor hyperparameter of more than one element
+                (``step_hparams``).
+            TypeError: a hyperparameter that is not a number (``step_hparams``); the Triton engine also for a
+                gradient dtype other than fp32, bf16 or fp16.
+        """
 
     def invalidate(self) -> None:
-        """Forget whatever was cached about the state tensors (they were replaced, e.g. by ``load_state_dict``)."""
+        """Forget whatever was cached about the state tensors: the chunk plans (the torch engine) or launch plans
+        with their state addresses (the Triton engine), all keyed by ``(id(group), bucket)``.
+
+        To be called whenever state tensors are replaced rather than updated in place: ``ApexW.load_state_dict``
+        does, after the new state is in place. The next ``step_group`` rebuilds its plans from ``optimizer.state``,
+        and keeps the step counts it finds there: the next step is the one an unbroken run would take. Without it the
+        Triton engine would keep stepping the old tensors' memory; the torch engine notices replaced step counters,
+        moments and parameter memory by identity and rebuilds its plan anyway, so there it only frees the old plans.
+        """
 
 
 def engine_for(optimizer, group: dict, params: list) -> Engine:

@@ -327,7 +327,9 @@ class _Grid:
     """The cells of one grid still to run (``todo``, indices into ``grid``), run from a thread pool by
     :meth:`run_cell`, and what they gave (``results``, by index; cells kept from an earlier attempt already there)."""
 
-    def __init__(self, cfg: RecipeConfig, config_path: Path, out: Path, env: dict[str, str], jobs: int, resume: bool):
+    def __init__(
+        self, cfg: RecipeConfig, config_path: Path, out: Path, env: dict[str, str], jobs: int, resume: bool, t0: float
+    ):
         self.cfg, self.config_path, self.out, self.env, self.jobs = cfg, config_path, out, env, jobs
         self.runs_dir = out / "runs"
         self.grid = plan_grid(cfg)
@@ -339,7 +341,7 @@ class _Grid:
                 self.todo.append(i)
             else:
                 self.results[i] = kept
-        self.t0 = time.time()
+        self.t0 = t0  # the grid's start, preparation included: compare.max_minutes counts from it
         self.done = 0
         self.durations: list[float] = []
         self.failed_first: list[str] = []
@@ -429,8 +431,7 @@ def run_grid(cfg: RecipeConfig, config_path: Path, out: Path, jobs: int, resume:
     _prepare_base(config_path, out, env)
     if cfg.compare.warmup_run:
         _warmup_run(cfg, config_path, out, env)
-    grid = _Grid(cfg, config_path, out, env, jobs, resume)
-    grid.t0 = t0  # compare.max_minutes counts from the start, preparation included
+    grid = _Grid(cfg, config_path, out, env, jobs, resume, t0)
     if resume:
         print(
             f"[apexw-compare] resuming: {len(grid.grid) - len(grid.todo)} of {len(grid.grid)} runs finished earlier "

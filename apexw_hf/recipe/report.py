@@ -347,21 +347,25 @@ def summarize(results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, 
     opts = list(dict.fromkeys(cfg.compare.optimizers + [r["optimizer"] for r in results]))
     gpu = any(r.get("peak_gpu_mem_allocated_gib") is not None for r in ok)
     per_param = any(r.get("train_bytes_per_param") is not None for r in ok)
-    lines = _summary_header(results, cfg, meta, gpu, per_param)
+    lines = _summary_header(results, ok, cfg, meta, gpu, per_param)
     head_lines = _headline(results, cfg, opts)
     if head_lines:
         head_lines[-1:-1] = _timing_note(meta, gpu)
     lines += head_lines
-    lines += _runs_table(results, lrs, opts, gpu, per_param)
+    lines += _runs_table(results, ok, lrs, opts, gpu, per_param)
     lines += ["", *_best_lr_section(results, cfg, opts), *_significance(results, cfg, lrs, opts)]
     return "\n".join(lines) + "\n"
 
 
 def _summary_header(
-    results: list[dict[str, Any]], cfg: RecipeConfig, meta: dict[str, Any] | None, gpu: bool, per_param: bool
+    results: list[dict[str, Any]],
+    ok: list[dict[str, Any]],
+    cfg: RecipeConfig,
+    meta: dict[str, Any] | None,
+    gpu: bool,
+    per_param: bool,
 ) -> list[str]:
     """The summary's title and the bullet list of what ran where (devices, versions, commit, grid, columns)."""
-    ok = [r for r in results if r.get("status") == "ok"]
     envs = [r.get("environment") or {} for r in ok]
     devices = sorted({e.get("device", "?") for e in envs})
     backends = sorted({r.get("backend", "?") for r in ok})
@@ -430,9 +434,10 @@ def _summary_header(
     return lines
 
 
-def _runs_table(results: list[dict[str, Any]], lrs: list, opts: list[str], gpu: bool, per_param: bool) -> list[str]:
-    """Every run per learning rate: one row per optimizer, mean +- std over seeds."""
-    ok = [r for r in results if r.get("status") == "ok"]
+def _runs_table(
+    results: list[dict[str, Any]], ok: list[dict[str, Any]], lrs: list, opts: list[str], gpu: bool, per_param: bool
+) -> list[str]:
+    """Every run per learning rate: one row per optimizer, mean +- std over seeds (``ok``: the runs that finished)."""
     mem_h = "peak GPU mem allocated (GiB)" if gpu else "peak RSS (GiB, CPU)"
     lines = []
     lines += ["## Every run, per learning rate", ""]

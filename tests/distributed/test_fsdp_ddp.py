@@ -86,6 +86,16 @@ def test_fsdp2_trains_on_local_shards(fmt):
 
 
 def _fsdp_resume(rank, world, store, out, fmt, full):
+    w.init(rank, world, store)
+    w.save_result(out, rank, resume_once(rank, world, out, fmt, full))
+    w.finish()
+
+
+def resume_once(rank, world, out, fmt, full):
+    """One unbroken run of 12 steps and one of 7 steps, a checkpoint (DCP, or a full state dict with ``full``) in
+    ``out``, a new model and optimizer loaded from it, 5 more steps. Returns ``{"equal": whether the resumed
+    parameters are the unbroken run's bit for bit, "where": None, or where the runs first part}``. Run on every rank of
+    an initialised group; scripts/stress_fsdp_resume.py repeats it inside one pair of ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -93,7 +103,6 @@ def _fsdp_resume(rank, world, store, out, fmt, full):
         set_optimizer_state_dict,
     )
 
-    w.init(rank, world, store)
     data = w.batches(12, rank, world)
     model = w.sharded(world)
     opt = ApexW(model.parameters(), lr=3e-3, state_format=fmt, seed=5)
@@ -135,8 +144,7 @@ def _fsdp_resume(rank, world, store, out, fmt, full):
         if where is None and not w.same_bits(unbroken_steps[6][key], loaded[key]):
             where = f"the loaded {key}: not those of the unbroken run after step 7"
     where = where or w.first_difference(unbroken_steps, resumed_steps, start=7)
-    w.save_result(out, rank, {"equal": w.same_bits(unbroken, resumed), "where": where})
-    w.finish()
+    return {"equal": w.same_bits(unbroken, resumed), "where": where}
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])

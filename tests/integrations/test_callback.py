@@ -9,7 +9,7 @@ from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact, optimizer_state_bytes
 from apexw_hf.accounting import optimizer_param_count, unwrap_optimizer
 from apexw_hf.integrations.callbacks import OptimizerStateCallback
 
-from .tiny import make_model, token_dataset, train_kwargs
+from .tiny import make_trainer
 
 KEYS = ("optimizer_state_mib", "optimizer_state_bytes_per_param")
 
@@ -31,14 +31,14 @@ def _read_scalars(log_dir):
 @pytest.mark.parametrize("how", ["callbacks_arg", "add_callback"])
 def test_callback_reaches_console_history_and_tensorboard(tmp_path, capsys, how):
     pytest.importorskip("tensorboard")
-    from transformers import Trainer, TrainingArguments
     from transformers.integrations import TensorBoardCallback
 
     log_dir = tmp_path / "out"  # TensorBoard writes under output_dir/runs/ (transformers 4.57 to 5.x defaults)
-    args = TrainingArguments(**train_kwargs(log_dir, optim="apexw_8bit", max_steps=3, report_to=["tensorboard"]))
     callback = OptimizerStateCallback()
     kw = {"callbacks": [callback]} if how == "callbacks_arg" else {}
-    trainer = Trainer(model=make_model(), args=args, train_dataset=token_dataset(12), **kw)
+    trainer = make_trainer(
+        log_dir, rows=12, trainer_kwargs=kw, optim="apexw_8bit", max_steps=3, report_to=["tensorboard"]
+    )
     if how == "add_callback":
         trainer.add_callback(callback)
     callbacks = trainer.callback_handler.callbacks
@@ -96,11 +96,8 @@ def test_callback_logs_the_exact_state_bytes(tmp_path, name):
     """The logged MiB and bytes per parameter are the exact bytes of the format's tensors: per trainable tensor of n
     elements, the codes (4bit: n bytes for both moments; 8bit: 2n), two scales per block (8bit: bf16 and bf16 per 256
     elements; 4bit format version 2: a bf16 m scale and an fp32 v scale per 128) and the fp32 step."""
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, max_steps=2))
-    trainer = Trainer(
-        model=make_model(), args=args, train_dataset=token_dataset(8), callbacks=[OptimizerStateCallback()]
+    trainer = make_trainer(
+        tmp_path, rows=8, trainer_kwargs={"callbacks": [OptimizerStateCallback()]}, optim=name, max_steps=2
     )
     trainer.train()
     sizes = [p.numel() for p in trainer.model.parameters() if p.requires_grad]

@@ -10,7 +10,7 @@ from apexw_hf import ApexW8bit
 from apexw_hf.accounting import unwrap_optimizer
 from apexw_hf.integrations.callbacks import OptimizerStateCallback, optimizer_state_metrics
 
-from .tiny import make_model, token_dataset, train_kwargs
+from .tiny import make_model, make_trainer
 
 
 def _state_bytes_8bit(sizes):
@@ -21,11 +21,13 @@ def _state_bytes_8bit(sizes):
 @pytest.mark.parametrize("name", ["apexw_8bit", "apexw_8bit_release"])
 def test_callback_logs_kept_bytes_with_and_without_release(tmp_path, name):
     """A full fine-tune of the fp32 tiny Llama: 4 bytes of parameter per element, 4 of gradient without release."""
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, max_steps=2))
-    trainer = Trainer(
-        model=make_model(lora=False), args=args, train_dataset=token_dataset(8), callbacks=[OptimizerStateCallback()]
+    trainer = make_trainer(
+        tmp_path,
+        model=make_model(lora=False),
+        rows=8,
+        trainer_kwargs={"callbacks": [OptimizerStateCallback()]},
+        optim=name,
+        max_steps=2,
     )
     trainer.train()
     release = name.endswith("_release")

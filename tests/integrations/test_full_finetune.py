@@ -16,7 +16,7 @@ import torch
 from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact
 from apexw_hf.accounting import optimizer_state_bytes, unwrap_optimizer
 
-from .tiny import NAMES, make_model, text_dataset, token_dataset, train_kwargs
+from .tiny import NAMES, make_model, make_trainer, text_dataset, train_kwargs
 
 EXPECTED = {
     "apexw_8bit": (ApexW8bit, "8bit"),
@@ -57,12 +57,9 @@ def _check_no_master_copy(opt, model, fmt):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_bf16_model_stays_bf16(tmp_path, name):
-    from transformers import Trainer, TrainingArguments
-
     model = _full_model()
     before = _snapshot(model)
-    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, bf16=True, max_steps=4, learning_rate=3e-3))
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
+    trainer = make_trainer(tmp_path, model=model, optim=name, bf16=True, max_steps=4, learning_rate=3e-3)
     trainer.train()
     cls, fmt = EXPECTED[name]
     opt = unwrap_optimizer(trainer.optimizer)
@@ -79,23 +76,19 @@ def test_trainer_bf16_model_stays_bf16(tmp_path, name):
 def _steps_with_tiny_lr(tmp_path, optim, lr, steps=3):
     """Train a bf16 model with an lr far below half a bf16 step of its weights; return (changed, counted): among the
     weights with ``|w| >= 2**-7`` (whose half bf16 step is at least 2**-15 ~ 3e-5), how many moved."""
-    from transformers import Trainer, TrainingArguments
-
     model = _full_model()
     before = _snapshot(model)
-    args = TrainingArguments(
-        **train_kwargs(
-            tmp_path / optim,
-            optim=optim,
-            bf16=True,
-            max_steps=steps,
-            learning_rate=lr,
-            weight_decay=0.0,
-            lr_scheduler_type="constant",
-            optim_args="engine=torch" if optim.startswith("apexw") else None,
-        )
+    trainer = make_trainer(
+        tmp_path / optim,
+        model=model,
+        optim=optim,
+        bf16=True,
+        max_steps=steps,
+        learning_rate=lr,
+        weight_decay=0.0,
+        lr_scheduler_type="constant",
+        optim_args="engine=torch" if optim.startswith("apexw") else None,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
     trainer.train()
     after = {n: p.detach() for n, p in trainer.model.named_parameters() if p.requires_grad}
     big = {n: before[n].abs() >= 2**-7 for n in after}
@@ -157,12 +150,9 @@ def test_sft_trainer_loads_a_path_in_fp32_unless_told(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_fp16_model_with_fp16_is_refused_with_what_to_do(tmp_path, name):
-    from transformers import Trainer, TrainingArguments
-
     model = _full_model(torch.float16)
     before = _snapshot(model)
-    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, fp16=True, max_steps=2))
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
+    trainer = make_trainer(tmp_path, model=model, optim=name, fp16=True, max_steps=2)
     with pytest.raises(ValueError) as info:
         trainer.train()
     msg = str(info.value)

@@ -16,7 +16,7 @@ import torch
 from apexw_hf import ApexW4bit, ApexW8bit
 from apexw_hf.accounting import unwrap_optimizer
 
-from .tiny import make_model, text_dataset, token_dataset, train_kwargs
+from .tiny import make_model, make_trainer, text_dataset, token_dataset, train_kwargs
 
 BUCKET = 4000  # gradient elements per launch: the tiny Llama's ~21,000 go in several buckets per backward
 
@@ -48,12 +48,9 @@ class NormProbe:
 
 
 def _train(out_dir, name, model=None, resume_from=None, **overrides):
-    from transformers import Trainer, TrainingArguments
-
     kw = dict(optim=name, weight_decay=0.1, max_steps=4)
     kw.update(overrides)
-    args = TrainingArguments(**train_kwargs(out_dir, **kw))
-    trainer = Trainer(model=model or make_model(lora=False), args=args, train_dataset=token_dataset())
+    trainer = make_trainer(out_dir, model=model or make_model(lora=False), **kw)
     trainer.train(resume_from_checkpoint=resume_from)
     return trainer
 

@@ -20,7 +20,7 @@ import torch
 
 from apexw_hf import ApexW
 
-from .tiny import make_model, token_dataset, train_kwargs
+from .tiny import make_model, make_trainer, token_dataset
 
 FORMATS = ("compact", "8bit", "4bit")
 STEPS, POISON, BATCH = 16, 5, 4
@@ -121,7 +121,7 @@ def test_a_bad_tensor_skips_its_blocks_only():
 
 
 def _trainer(tmp_path, optim, *, poison=None, skip=None, **overrides):
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from apexw_hf.integrations.callbacks import OptimizerStateCallback
 
@@ -140,12 +140,15 @@ def _trainer(tmp_path, optim, *, poison=None, skip=None, **overrides):
                 return (out[0] * float("nan"), *out[1:]) if return_outputs else out * float("nan")
             return out
 
-    kw = train_kwargs(tmp_path, optim=optim, max_steps=10, **overrides)
-    return PoisonedTrainer(
+    return make_trainer(
+        tmp_path,
         model=make_model(lora=False),
-        args=TrainingArguments(**kw),
-        train_dataset=token_dataset(40),
-        callbacks=[OptimizerStateCallback(peak_memory=False)],
+        rows=40,
+        trainer_cls=PoisonedTrainer,
+        trainer_kwargs={"callbacks": [OptimizerStateCallback(peak_memory=False)]},
+        optim=optim,
+        max_steps=10,
+        **overrides,
     )
 
 

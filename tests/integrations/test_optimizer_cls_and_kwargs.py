@@ -9,18 +9,20 @@ import torch
 from apexw_hf import ApexW8bit
 from apexw_hf.accounting import unwrap_optimizer
 
-from .tiny import make_model, token_dataset, train_kwargs
+from .tiny import make_model, make_trainer
 
 KWARGS = {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05, "seed": 1, "engine": "torch"}
 
 
 def _trainer(tmp_path, optimizer_kwargs, cls=ApexW8bit, **args):
-    from transformers import Trainer, TrainingArguments
-
     model = make_model(lora=False)  # a full model: weights decay, biases-free Llama has norms in the 0.0 group
-    targs = TrainingArguments(**train_kwargs(tmp_path, optim_args=None, max_steps=3, **args))
-    return Trainer(
-        model=model, args=targs, train_dataset=token_dataset(), optimizer_cls_and_kwargs=(cls, dict(optimizer_kwargs))
+    return make_trainer(
+        tmp_path,
+        model=model,
+        trainer_kwargs={"optimizer_cls_and_kwargs": (cls, dict(optimizer_kwargs))},
+        optim_args=None,
+        max_steps=3,
+        **args,
     )
 
 

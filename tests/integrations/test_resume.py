@@ -7,7 +7,7 @@ import torch
 
 from apexw_hf.accounting import unwrap_optimizer
 
-from .tiny import NAMES, make_model, token_dataset, train_kwargs
+from .tiny import NAMES, make_trainer
 
 EXPECTED_DTYPES = {
     "apexw_8bit": {"exp_avg": torch.uint8, "exp_avg_sq": torch.uint8},
@@ -17,12 +17,7 @@ EXPECTED_DTYPES = {
 
 
 def _run(out_dir, name, resume_from=None):
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(
-        **train_kwargs(out_dir, optim=name, max_steps=6, save_strategy="steps", save_steps=3, weight_decay=0.01)
-    )
-    trainer = Trainer(model=make_model(), args=args, train_dataset=token_dataset())
+    trainer = make_trainer(out_dir, optim=name, max_steps=6, save_strategy="steps", save_steps=3, weight_decay=0.01)
     trainer.train(resume_from_checkpoint=resume_from)
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     return trainer, losses

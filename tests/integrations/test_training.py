@@ -10,7 +10,7 @@ import torch
 from apexw_hf import ApexW4bit, ApexW8bit, ApexWCompact
 from apexw_hf.accounting import optimizer_state_bytes, unwrap_optimizer
 
-from .tiny import NAMES, make_model, text_dataset, token_dataset, train_kwargs
+from .tiny import NAMES, make_model, make_trainer, text_dataset, train_kwargs
 
 EXPECTED = {
     "apexw_8bit": (ApexW8bit, "8bit"),
@@ -48,12 +48,9 @@ def _check_run(trainer, name, before):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_trainer_lora(tmp_path, name):
-    from transformers import Trainer, TrainingArguments
-
     model = make_model()
     before = _trainable(model)
-    args = TrainingArguments(**train_kwargs(tmp_path, optim=name, weight_decay=0.01, max_steps=5))
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
+    trainer = make_trainer(tmp_path, model=model, optim=name, weight_decay=0.01, max_steps=5)
     trainer.train()
     _check_run(trainer, name, before)
 
@@ -79,20 +76,16 @@ def test_sft_trainer_lora(tmp_path, tokenizer, name):
 
 
 def test_optim_args_reach_the_optimizer(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(
-        **train_kwargs(
-            tmp_path,
-            optim="apexw_compact",
-            optim_args="state_format=fp32, param_rounding=nearest, seed=11, engine=torch",
-            adam_beta1=0.8,
-            adam_beta2=0.95,
-            adam_epsilon=1e-6,
-            weight_decay=0.05,
-        )
+    trainer = make_trainer(
+        tmp_path,
+        rows=8,
+        optim="apexw_compact",
+        optim_args="state_format=fp32, param_rounding=nearest, seed=11, engine=torch",
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+        adam_epsilon=1e-6,
+        weight_decay=0.05,
     )
-    trainer = Trainer(model=make_model(), args=args, train_dataset=token_dataset(8))
     trainer.create_optimizer()
     opt = unwrap_optimizer(trainer.optimizer)
     assert opt.defaults["state_format"] == "fp32" and opt.defaults["param_rounding"] == "nearest"
@@ -103,11 +96,8 @@ def test_optim_args_reach_the_optimizer(tmp_path):
 
 def test_weight_decay_groups_of_a_full_model(tmp_path):
     """Without LoRA the Trainer splits norms (no decay) from matrices (decay); ApexW keeps both groups."""
-    from transformers import Trainer, TrainingArguments
-
     model = make_model(lora=False)
-    args = TrainingArguments(**train_kwargs(tmp_path, optim="apexw_8bit", weight_decay=0.1, max_steps=2))
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset(8))
+    trainer = make_trainer(tmp_path, model=model, rows=8, optim="apexw_8bit", weight_decay=0.1, max_steps=2)
     trainer.train()
     opt = unwrap_optimizer(trainer.optimizer)
     by_wd = {g["weight_decay"]: g for g in opt.param_groups}

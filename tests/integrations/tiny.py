@@ -108,3 +108,19 @@ def train_kwargs(tmp_path, **overrides):
     )
     kw.update(overrides)
     return kw
+
+
+def make_trainer(out_dir, *, model=None, rows: int = 32, trainer_cls=None, trainer_kwargs=None, **overrides):
+    """The integration tests' Trainer: ``trainer_cls`` (default ``transformers.Trainer``) over ``model`` (default
+    ``make_model()``, the LoRA tiny Llama) and ``token_dataset(rows)``, with
+    ``TrainingArguments(**train_kwargs(out_dir, **overrides))``; ``trainer_kwargs``: further Trainer arguments
+    (``callbacks``, ``optimizer_cls_and_kwargs``)."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(**train_kwargs(out_dir, **overrides))
+    return (trainer_cls or Trainer)(
+        model=make_model() if model is None else model,
+        args=args,
+        train_dataset=token_dataset(rows),
+        **(trainer_kwargs or {}),
+    )

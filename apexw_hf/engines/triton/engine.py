@@ -180,8 +180,9 @@ class TritonEngine:
                     g = p.grad if p.grad is not None else p  # a stand-in of the param's dtype for the plan key
                 members.append(p)
                 member_grads.append(g)
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads):  # every gradient before any state: a bad one then creates none
             self._check_grad(p, g)
+        for p in params:
             opt._init_state(p, group)
         cache = _GroupCache(self, group, members, member_grads, streamed)
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
@@ -248,14 +249,21 @@ class TritonEngine:
         of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, state table)``,
         the plan is launched over those work items with the state addresses of that table
         (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
+
+        One function of ~110 lines: it runs once per bucket on the host's critical path (gradient release, and LoRA
+        steps of hundreds of small tensors are host-bound), and its parts share the cache entry and a dozen locals.
         """
         if not params:
             return
         hp = self._hparams(group)  # before any step counter moves: a bad value then changes nothing
-        if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
-            ptrs = [g.to_local().data_ptr() for g in grads]
-        else:
-            ptrs = list(map(torch.Tensor.data_ptr, grads))
+        try:
+            if dt.is_dtensor(params[0]):  # FSDP2: the local shard of each gradient
+                ptrs = [g.to_local().data_ptr() for g in grads]
+            else:
+                ptrs = list(map(torch.Tensor.data_ptr, grads))
+        except RuntimeError:  # a gradient without storage (sparse): say which and why, as the torch engine does
+            self._check_grads(params, grads)
+            raise
         cache = self._cache.get((id(group), bucket))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))

@@ -203,6 +203,10 @@ def _adamw_kernel(
     GRAD_SCALE: tl.constexpr,
     SKIP_NONFINITE: tl.constexpr,
 ):
+    """One program updates one chunk (``ROWS`` x 256 elements) of one tensor: parameter, moments, scales, as the
+    module docstring says. It stays one function of ~220 lines because every format's path is a compile-time branch
+    of it (``FMT``) and the order of its loads and masked stores is what the memory pipeline sees; the arithmetic
+    (quantization, rounding, random bits) is in the ``@triton.jit`` helpers it calls."""
     pid = tl.program_id(0) + first_program
     t, chunk = _find_chunk(pid, cstart_ptr, gfirst_ptr, num_tensors)
     g_addr = tl.load(addr_ptr + ADDR_GRAD * num_tensors + t)

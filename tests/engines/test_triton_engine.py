@@ -7,7 +7,7 @@ import torch
 
 from apexw_hf.optim import ApexW
 
-from .helpers import DEVICE, mismatch, same_bits
+from ..kernels.helpers import DEVICE, mismatch, same_bits
 
 
 def _params():
