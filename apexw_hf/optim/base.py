@@ -18,7 +18,7 @@ from .. import formats as st
 from .. import reference as ref
 from ..hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
-from .offload import StateOffload, to_host
+from .offload import StateOffload, default_piece_bytes, to_host
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -86,6 +86,10 @@ class ApexW(torch.optim.Optimizer):
             (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of three launches instead of all of it;
             the results are bit-identical. Needs the Triton engine on one GPU (CUDA parameters; CPU parameters only
             under the Triton interpreter) and host memory for the whole state; not under FSDP2.
+        offload_piece_mib: with ``state_offload``, the most MiB of state one launch updates; the GPU holds three
+            buffers of that size. None (default): 1/48 of the whole state, between 64 and 160 MiB
+            (:func:`apexw_hf.optim.offload.default_piece_bytes`). Smaller saves GPU memory and hides less of the
+            copies behind backward (docs/gradient_release.md, "State offload", has the measured trade-off).
         nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
             infinity is not updated (its parameter elements, moments and scales keep their values; every other block
             is updated as usual: :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted
@@ -125,6 +129,7 @@ class ApexW(torch.optim.Optimizer):
         release_bucket_size: int | None = None,
         tied_grad_offload: bool = False,
         state_offload: bool = False,
+        offload_piece_mib: int | None = None,
         nonfinite: str = "skip",
     ):
         if amsgrad:
@@ -155,9 +160,18 @@ class ApexW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if not isinstance(state_offload, bool):
             raise TypeError(f"state_offload must be a bool, got {state_offload!r}")
+        piece_mib = offload_piece_mib
+        if piece_mib is not None and (isinstance(piece_mib, bool) or not isinstance(piece_mib, int) or piece_mib < 1):
+            raise ValueError(f"offload_piece_mib must be an int >= 1 (MiB) or None (the default), got {piece_mib!r}")
+        if piece_mib is not None and not state_offload:
+            raise ValueError(
+                "offload_piece_mib is for state_offload=True (the size of the pieces the state streams through the "
+                "GPU in); set state_offload=True or drop it"
+            )
         if state_offload:
-            self._check_offload()
-            self._offload = StateOffload(self)
+            needed = self._check_offload()
+            piece = default_piece_bytes(needed) if piece_mib is None else piece_mib * 2**20
+            self._offload = StateOffload(self, piece_bytes=piece)
         if gradient_release:
             self._release = GradientRelease(self, release_bucket_size, max_grad_norm, tied_grad_offload)
             self._release.sync_hooks()
@@ -194,9 +208,9 @@ class ApexW(torch.optim.Optimizer):
                 f"got {bucket_size!r}"
             )
 
-    def _check_offload(self) -> None:
+    def _check_offload(self) -> int:
         """Refuse ``state_offload=True`` where it cannot stream (not the Triton engine, several devices, FSDP2) or
-        where the host cannot hold the state, before anything is allocated."""
+        where the host cannot hold the state, before anything is allocated. Returns the state's bytes."""
         from .offload import host_bytes_available
 
         devices = set()
@@ -231,6 +245,7 @@ class ApexW(torch.optim.Optimizer):
                 "('4bit': about 1.05 bytes per parameter, '8bit' about 2.02), free host memory, or turn "
                 "state_offload off."
             )
+        return needed
 
     @staticmethod
     def _check_hparams(group: dict) -> None:
