@@ -560,7 +560,8 @@ class ApexW(torch.optim.Optimizer):
         group's format, or in host memory with ``state_offload``) where missing, after ``engine.check`` (so a bad
         gradient or hyperparameter creates no state). Looked up once per ``(group, bucket)`` and parameter list: a
         call with the same parameters (an identity check, C speed) reuses the lists, so a step of hundreds of small
-        tensors pays no per-tensor lookup. ``load_state_dict``, which replaces the state dicts, drops them."""
+        tensors pays no per-tensor lookup. ``load_state_dict``, which replaces the state dicts, drops them; a dict put
+        into ``self.state`` by other means (``opt.state[p] = {...}``) is seen once the parameter list changes."""
         key = (id(group), bucket)
         hit = self._engine_args_of.get(key)
         if (
