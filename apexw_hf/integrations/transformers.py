@@ -50,8 +50,9 @@ __all__ = [
 # reference format for A/B tests, reachable as optim_args="state_format=fp32", and plain AdamW has names already.
 # The "_release" names turn on gradient release (each parameter updated inside backward, its gradient freed: see
 # apexw_hf.optim.release), the same as optim_args="gradient_release=true". The "_offload" names turn on gradient
-# release and state offload (the state in host memory, streamed through the GPU: apexw_hf.optim.offload), the same as
-# optim_args="gradient_release=true,state_offload=true".
+# release, state offload (the state in host memory, streamed through the GPU: apexw_hf.optim.offload) and the tied
+# weights' gradient offload (apexw_hf.optim.tied_offload; a no-op for a model without tied weights), the same as
+# optim_args="gradient_release=true,state_offload=true,tied_grad_offload=true" (optim_args may set it false).
 APEXW_OPTIMIZERS: dict[str, tuple[str, str]] = {
     "apexw_8bit": ("APEXW_8BIT", "8bit"),
     "apexw_compact": ("APEXW_COMPACT", "compact"),
@@ -86,6 +87,7 @@ OPTIM_ARGS: dict[str, str] = {
     "release_bucket_size": "<int >= 1, gradient elements per launch>",
     "tied_grad_offload": "true|false",
     "state_offload": "true|false",
+    "offload_piece_mib": "<int >= 1, MiB of state per launch with state_offload>",
     "nonfinite": "skip|raise",
 }
 _OWNED_BY_TRAINING_ARGS = {
@@ -133,13 +135,13 @@ def _convert(key: str, raw: str) -> Any:
         if low in _FALSE:
             return False
         raise ValueError(f"optim_args: {key}={raw!r} is not allowed; {key} must be true or false")
-    if key == "release_bucket_size":
+    if key in ("release_bucket_size", "offload_piece_mib"):
         try:
             size = int(low, 0)
         except ValueError:
             size = 0
         if size < 1:
-            raise ValueError(f"optim_args: release_bucket_size={raw!r} is not allowed; it must be an int >= 1")
+            raise ValueError(f"optim_args: {key}={raw!r} is not allowed; it must be an int >= 1")
         return size
     raise AssertionError(key)
 
@@ -325,6 +327,7 @@ def get_optimizer_cls_and_kwargs(args, model=None) -> tuple[type, dict[str, Any]
                 "state_offload from optim_args"
             )
         kwargs["state_offload"] = True
+        kwargs.setdefault("tied_grad_offload", True)  # what can wait in host memory does: the tied gradient part too
     if uses_gradient_release(args):
         kwargs["gradient_release"] = True
     if kwargs.get("gradient_release"):

@@ -44,8 +44,18 @@ DEFAULT_SLOTS = 3
 # Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds
 # ``DEFAULT_SLOTS`` buffers of about this size, and ``DEFAULT_SLOTS - 1`` of them are how far the copies run ahead of
 # the launches: smaller pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State
-# offload", has the measured trade-off).
+# offload", has the measured trade-off). By default a piece is 1/48 of the whole state (the slots then hold 1/16 of
+# it), between these bounds: an 8B model's state gets the largest pieces, which keep its step within a few percent of
+# the state kept on the GPU, and a 1B-3B model's the smallest, which save a tenth of its peak at a small cost.
 PIECE_BYTES = 160 * 2**20
+MIN_PIECE_BYTES = 64 * 2**20
+PIECES_PER_STATE = 48
+
+
+def default_piece_bytes(state_bytes: int) -> int:
+    """The piece size for a state of ``state_bytes`` in all: 1/``PIECES_PER_STATE`` of it, within
+    [``MIN_PIECE_BYTES``, ``PIECE_BYTES``]."""
+    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, state_bytes // PIECES_PER_STATE))
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 
 
@@ -115,7 +125,8 @@ class StateOffload:
     Args:
         optimizer: the :class:`~apexw_hf.optim.ApexW` (its ``state`` holds the host tensors).
         slots: device buffers (>= 2): the piece launched and ``slots - 1`` prefetched.
-        piece_bytes: the most bytes of state one launch updates (one work item's state at least).
+        piece_bytes: the most bytes of state one launch updates (one work item's state at least); None:
+            ``PIECE_BYTES``.
     """
 
     def __init__(self, optimizer, slots: int | None = None, piece_bytes: int | None = None):

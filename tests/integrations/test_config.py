@@ -244,9 +244,13 @@ def test_optim_args_values():
         "release_bucket_size",
         "tied_grad_offload",
         "state_offload",
+        "offload_piece_mib",
         "nonfinite",
     }
     assert parse_optim_args("state_offload=true", "apexw_8bit") == {"state_offload": True}
+    assert parse_optim_args("state_offload=true,offload_piece_mib=96", "apexw_8bit")["offload_piece_mib"] == 96
+    with pytest.raises(ValueError, match="offload_piece_mib='0' is not allowed; it must be an int >= 1"):
+        parse_optim_args("offload_piece_mib=0", "apexw_8bit")
     assert parse_optim_args("nonfinite=RAISE", "apexw_8bit") == {"nonfinite": "raise"}
     with pytest.raises(ValueError, match="nonfinite='ignore' is not allowed; nonfinite must be one of skip, raise"):
         parse_optim_args("nonfinite=ignore", "apexw_8bit")
@@ -268,6 +272,18 @@ def test_every_optim_arg_is_accepted_by_the_optimizer(tmp_path):
     cls, kw = get_optimizer_cls_and_kwargs(args)
     opt = cls([torch.nn.Parameter(torch.zeros(4))], **kw)
     assert opt.defaults["state_format"] == "compact" and opt.defaults["seed"] == 4
+
+
+def test_offload_names_offload_the_tied_gradient_part_unless_told_not_to(tmp_path):
+    """optim="apexw_4bit_offload" keeps in host memory what can wait there: the state and a tied weight's output-layer
+    gradient part (tied_grad_offload); optim_args may turn the latter off, and the "_release" names leave it off."""
+    _, kw = get_optimizer_cls_and_kwargs(_args(tmp_path, optim="apexw_4bit_offload"))
+    assert kw["state_offload"] and kw["gradient_release"] and kw["tied_grad_offload"]
+    args = _args(tmp_path, optim="apexw_4bit_offload", optim_args="tied_grad_offload=false")
+    _, kw = get_optimizer_cls_and_kwargs(args)
+    assert kw["state_offload"] and kw["tied_grad_offload"] is False
+    _, kw = get_optimizer_cls_and_kwargs(_args(tmp_path, optim="apexw_4bit_release"))
+    assert "tied_grad_offload" not in kw and "state_offload" not in kw
 
 
 def test_deepspeed_config_with_its_own_optimizer_is_refused(tmp_path):

@@ -161,6 +161,25 @@ def test_errors_name_what_is_wrong(monkeypatch):
         ApexW(model.to(DEVICE).parameters(), engine="triton", state_format="8bit", state_offload=True)
 
 
+def test_piece_size_follows_the_state_unless_given():
+    """By default a piece is 1/48 of the whole state within [64, 160] MiB; offload_piece_mib sets it; a bad value, or
+    the option without state_offload, is refused naming what is allowed."""
+    mib = 2**20
+    assert offload_mod.default_piece_bytes(0) == 64 * mib
+    assert offload_mod.default_piece_bytes(48 * 100 * mib) == 100 * mib
+    assert offload_mod.default_piece_bytes(10**12) == 160 * mib
+    model = make().to(DEVICE)
+    opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
+    assert opt._offload.piece_bytes == 64 * mib  # a tiny model's state: the smallest default piece
+    opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True, offload_piece_mib=3)
+    assert opt._offload.piece_bytes == 3 * mib
+    for bad in (0, True, 1.5, "8"):
+        with pytest.raises(ValueError, match=r"offload_piece_mib must be an int >= 1 \(MiB\) or None"):
+            ApexW(model.parameters(), engine="triton", state_offload=True, offload_piece_mib=bad)
+    with pytest.raises(ValueError, match="offload_piece_mib is for state_offload=True"):
+        ApexW(model.parameters(), engine="triton", offload_piece_mib=8)
+
+
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_offload_names_through_the_trainer(tmp_path, accumulate):
     """optim="apexw_4bit_offload" (release + offload) trains as "apexw_4bit_release", and "apexw_4bit" with
