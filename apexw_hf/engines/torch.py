@@ -56,10 +56,11 @@ not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
-Interface with the optimizer (as :class:`~apexw_hf.engines.triton.TritonEngine`)::
+Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`, as :class:`~apexw_hf.engines.triton.TritonEngine`)::
 
-    engine = TorchEngine(optimizer)
-    engine.step_group(group, params, grads)   # params with a gradient, in group order; grads their .grad
+    engine = TorchEngine()
+    engine.check(group, params, grads)        # before the caller creates missing state
+    engine.step_group(group, params, grads, states, tensor_indices, grad_scale=None, nonfinite=None)
     engine.invalidate()                       # after load_state_dict
 """
 
@@ -182,8 +183,9 @@ def _plan_chunks(numels: list[int], block: int | None) -> list[_Chunk]:
 class _Layout:
     """Chunks of the members of one param group that share a parameter dtype and a step count."""
 
-    def __init__(self, opt, group, members, states, scratch: Scratch):
+    def __init__(self, group, members, states, indices: list[int], scratch: Scratch):
         self.members = members
+        self.indices = indices  # tensor indices of the members (the random streams, the non-finite counters)
         self.fmt = group["state_format"]
         self.block = SCALE_BLOCKS.get(self.fmt)  # None for unquantized moments
         self.dtype = members[0].dtype
@@ -192,7 +194,7 @@ class _Layout:
         for i, (p, s) in enumerate(zip(members, self.local_states)):
             tensors = [dt.local(p)] + [s[k] for k in STATE_KEYS if k in s]
             (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
-        self.tindex = [opt._tensor_index(members[i]) for i in self.fast]  # by slot
+        self.tindex = [indices[i] for i in self.fast]  # by slot
         self.tkeys = [rnd.tensor_key(group["seed"], i) for i in self.tindex]
         self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
         self.locals = [dt.local(members[i]) for i in self.fast]
@@ -333,7 +335,7 @@ class _GroupPlan:
     0-dim fp32 tensor for ``state_dict``), so one in-place add increments them all while the same params step.
     """
 
-    def __init__(self, opt, group, params, states, steps, scratch):
+    def __init__(self, group, params, states, indices, steps, scratch):
         self.fmt, self.seed = group["state_format"], group["seed"]
         self.steps = torch.tensor(steps, dtype=torch.float32)
         self.step_views = list(self.steps.unbind())
@@ -343,7 +345,10 @@ class _GroupPlan:
         for i, (p, t) in enumerate(zip(params, steps)):
             by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
         self.layouts = [
-            (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], scratch), idx)
+            (
+                _Layout(group, [params[i] for i in idx], [states[i] for i in idx], [indices[i] for i in idx], scratch),
+                idx,
+            )
             for idx in by_kind.values()
         ]
         # after the layouts, which may move state (_flatten); a state tensor replaced since makes a new plan
@@ -366,8 +371,7 @@ class TorchEngine:
     # installed (numba_engine); False (per engine or on the class) keeps every chunk on the torch passes.
     use_numba = True
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    def __init__(self):
         # Keyed by (id(group), bucket): bucket None for step(), one plan per bucket of gradient release. A plan whose
         # step counters were replaced by another's fails the identity check below and is rebuilt.
         self._layouts: dict[tuple[int, object], _GroupPlan] = {}
@@ -384,27 +388,49 @@ class TorchEngine:
             sc = self._scratch[device] = Scratch(device, CHUNK)
         return sc
 
-    def step_group(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
-    ) -> None:
-        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update.
+    def check(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """The errors of :meth:`step_group` that ``group``, ``params`` and ``grads`` decide (the ``Engine`` contract):
+        a hyperparameter :func:`~apexw_hf.hparams.step_hparams` refuses, a sparse gradient, a gradient of another
+        shape than its parameter's. Changes nothing."""
+        if params:
+            step_hparams(group)
+            _check_grads(params, grads)
 
-        ``grads``: their ``.grad`` tensors, in the same order. ``bucket``: a hashable name of this subset of the group
-        (gradient release steps a group bucket by bucket), which keeps its own chunk plan.
+    def step_group(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
+        bucket: object = None,
+        grad_scale=None,
+        stager=None,
+        nonfinite=None,
+    ) -> None:
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update (the
+        ``Engine`` contract of :mod:`apexw_hf.engines` says what each argument means).
+
+        ``states`` are read at every call: a plan whose step counters, moments or parameter memory are not those it
+        was built on is rebuilt. ``grad_scale`` (a tensor, or a callable called with ``None`` once the checks have
+        passed) multiplies ``grads`` in place, one fused multiply per gradient dtype, before the update: the chunks'
+        passes and the numba loop then read gradients as they would any other, and no second copy of the gradients
+        is held. ``stager`` (state offload) raises ValueError: the state is stepped where it lies. ``nonfinite``
+        receives the blocks skipped for non-finite gradients (``add``), counted on the host.
         """
         if not params:
             return
-        opt = self.optimizer
+        if stager is not None:
+            raise ValueError(
+                "state offload streams the state through the Triton kernels; the plain-PyTorch engine steps the state "
+                "where it lies (use engine='triton' on a GPU, or turn state_offload off)"
+            )
         hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
-        for p, g in zip(params, grads):
-            if g.is_sparse:
-                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
-            if g.shape != p.shape:
-                raise ValueError(
-                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
-                    "have their parameter's shape"
-                )
-        states = [opt._init_state(p, group) for p in params]
+        _check_grads(params, grads)
+        if callable(grad_scale):
+            grad_scale = grad_scale(None)
+        if grad_scale is not None:
+            _scale_grads_(grads, grad_scale)
         step_tensors = [s["step"] for s in states]
         cached = self._layouts.get((id(group), bucket))
         if (
@@ -424,11 +450,13 @@ class TorchEngine:
             for t in step_tensors:
                 t.add_(1.0)
             steps = [int(t.item()) for t in step_tensors]
-            cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
+            cached = _GroupPlan(
+                group, params, states, tensor_indices, steps, self._scratch_for(dt.local(params[0]).device)
+            )
             self._layouts[(id(group), bucket)] = cached
         for layout, idx in cached.layouts:
             t = steps[idx[0]]
-            self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
+            self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp), nonfinite)
 
     def _fused(self, layout: _Layout):
         """The numba module when this layout runs on it: 8-bit or 4-bit state, fp32 or bf16 parameters, CPU."""
@@ -438,29 +466,28 @@ class TorchEngine:
             return None
         return numba_engine()
 
-    def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
+    def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars, nonfinite=None) -> None:
         maximize = group["maximize"]
         rounding = group["param_rounding"]
         skipped: dict[int, int] = {}  # tensor index -> blocks left un-updated (non-finite gradients)
         for i in layout.slow:
             p = layout.members[i]
-            skipped[self.optimizer._tensor_index(p)] = ref.adamw_step_ref_(
+            skipped[layout.indices[i]] = ref.adamw_step_ref_(
                 dt.local(p),
                 dt.local(grads[i]),
                 layout.local_states[i],
                 fmt=layout.fmt,
                 scalars=s,
                 seed=group["seed"],
-                tensor_index=self.optimizer._tensor_index(p),
+                tensor_index=layout.indices[i],
                 step=t,
                 maximize=maximize,
                 param_rounding=rounding,
             )
         if layout.fast:
             self._step_fast(group, layout, grads, t, s, skipped)
-        guard = getattr(self.optimizer, "_nonfinite", None)
-        if guard is not None and any(skipped.values()):
-            guard.add(layout.locals[0].device if layout.fast else dt.local(layout.members[0]).device, skipped)
+        if nonfinite is not None and any(skipped.values()):
+            nonfinite.add(layout.locals[0].device if layout.fast else dt.local(layout.members[0]).device, skipped)
 
     def _step_fast(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars, skipped: dict) -> None:
         """The chunks of ``layout`` (its contiguous tensors); the blocks skipped for non-finite gradients are added to
@@ -505,6 +532,31 @@ class TorchEngine:
         for ch in layout.chunks:
             for slot, n in _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p):
                 skipped[layout.tindex[slot]] = skipped.get(layout.tindex[slot], 0) + n
+
+
+def _check_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        if g.is_sparse:
+            raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
+                "have their parameter's shape"
+            )
+
+
+def _scale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """``g.mul_(grad_scale.to(g.dtype))`` for every gradient (the local shard of a DTensor), one fused multiply per
+    device and dtype: the bits the Triton kernel's gradient load computes for its ``grad_scale``."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        g = dt.local(g)
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), same in by_kind.items():
+        # a 0-dim factor in the gradients' dtype (CUDA's fused path wants it so); the copy to the device is ordered on
+        # its stream, not waited for
+        factor = grad_scale.reshape(()).to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+        torch._foreach_mul_(same, factor)
 
 
 def _mix32_np(x: np.ndarray) -> np.ndarray:

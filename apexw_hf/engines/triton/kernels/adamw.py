@@ -394,4 +394,5 @@ def _adamw_kernel(
             tl.store(p_ptr + offs, ph, mask=smask)
         if SKIP_NONFINITE:
             # last: its branch and atomics then order nothing before them (loads would otherwise wait for it)
-            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
+            # rows past the tensor's end count for nothing (with a NaN grad_scale their zeros become NaN)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, tl.sum(((ok_row == 0) & (rows * QBLOCK < rest)).to(tl.int32)))
