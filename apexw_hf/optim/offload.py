@@ -4,8 +4,8 @@ With ``ApexW(..., state_offload=True)`` every tensor of ``optimizer.state`` (mom
 pinned memory when CUDA is there; that is what ``state_dict``, ``dequantized_state`` and the export to torch AdamW
 read. The Triton engine's launches (a gradient-release bucket, or a param group in ``step()``) are cut into *pieces*:
 consecutive work items of a launch plan (chunks of ``rows * 256`` elements, a large tensor cut between chunks) whose
-state takes at most ``piece_bytes`` (``PIECE_BYTES``). Each piece updates a copy of its state in one of a few device
-buffers ("slots"):
+state takes at most ``piece_bytes`` (:func:`default_piece_bytes` of the whole state, or ``offload_piece_mib``). Each
+piece updates a copy of its state in one of a few device buffers ("slots"):
 
 1. *stage*: the piece's state is copied host -> device into a slot on a side stream (or found there already: it was
    prefetched, or is still resident from the last step), and the compute stream waits for that copy only;
@@ -29,6 +29,11 @@ Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites 
 slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once (the
 link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a slot,
 the copy out that last wrote the same elements' host state): nothing waits on the host.
+
+The launches stay on the compute stream, which waits for each piece's copy in. Launching on a stream of their own
+would let backward run ahead of a piece that is late, but then every bucket's gradients are used on a second stream
+and the caching allocator can hand their memory to nothing else until that stream has passed them: on 8B shapes the
+peak reserved memory grew from 18.7 to 23.6-24.4 GiB (past what a 24 GB GPU holds) for 0-7% less time per step.
 
 On the CPU (the Triton interpreter runs the kernels on CPU tensors) the same logic runs with plain copies, which is
 how the tests check it.
@@ -56,6 +61,8 @@ def default_piece_bytes(state_bytes: int) -> int:
     """The piece size for a state of ``state_bytes`` in all: 1/``PIECES_PER_STATE`` of it, within
     [``MIN_PIECE_BYTES``, ``PIECE_BYTES``]."""
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, state_bytes // PIECES_PER_STATE))
+
+
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 
 
