@@ -4,6 +4,7 @@ Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`; ``ApexW`` calls i
 :func:`apexw_hf.engines.engine_for`)::
 
     engine = TritonEngine()                  # one per optimizer, created lazily on the first Triton step
+                                             # (check_nonfinite=False: only to time what that check costs)
     engine.check(group, params, grads)       # before the caller creates missing state
     engine.step_group(group, params, grads, states, tensor_indices, bucket=None, grad_scale=None, stager=None,
                       nonfinite=None)        # params: the group's params whose .grad is not None, in group order
@@ -114,7 +115,7 @@ class _GroupCache:
 class TritonEngine:
     """Runs :meth:`ApexW.step` for param groups on the Triton kernels (see the module docstring for the contract)."""
 
-    def __init__(self):
+    def __init__(self, check_nonfinite: bool = True):
         try:
             from . import kernels  # noqa: F401
         except ImportError as e:
@@ -129,6 +130,10 @@ class TritonEngine:
         self._scalars_key: tuple | None = None  # (step, lr, betas, eps, weight_decay) of the last uniform step
         self._scalars = None
         self._hp_memo: dict[int, tuple[tuple, dict[str, float]]] = {}  # id(group) -> (its raw values, step_hparams)
+        # Blocks with a non-finite gradient are left un-updated and counted (reference.nonfinite_blocks). Off only to
+        # time what that check costs (benchmarks/bench_step.py's _nocheck rows): the update then differs from the
+        # reference's on non-finite gradients.
+        self.check_nonfinite = bool(check_nonfinite)
 
     def _hparams(self, group: dict) -> dict[str, float]:
         """``step_hparams(group)``, read again only when one of the group's values is another object than at its last
@@ -379,6 +384,7 @@ class TritonEngine:
             "stochastic_param": group["param_rounding"] == "stochastic",
             "per_tensor_step": not uniform,
             "grad_scale": grad_scale,
+            "check_nonfinite": self.check_nonfinite,
         }
         for i, (plan, _, _) in enumerate(cache.plans):
             if stager is None:
