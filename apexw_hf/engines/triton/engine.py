@@ -288,8 +288,8 @@ class TritonEngine:
         the plan is launched over those work items with the state addresses of that table
         (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
 
-        One function of ~120 lines: it runs once per bucket on the host's critical path (gradient release, and LoRA
-        steps of hundreds of small tensors are host-bound), and its parts share the cache entry and a dozen locals.
+        Host time here is on the critical path (once per bucket under gradient release; LoRA steps of hundreds of
+        small tensors are host-bound): the parts below are C-level passes over lists wherever the list is long.
         """
         if not params:
             return
@@ -302,75 +302,8 @@ class TritonEngine:
         except RuntimeError:  # a gradient without storage (sparse): say which and why, as the torch engine does
             self._check_grads(params, grads)
             raise
-        cache = self._cache.get((id(group), bucket))
-        full = (
-            cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
-        )
-        ids = None
-        if not full:
-            ids = [id(p) for p in params]
-            if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
-                full = ids == cache.member_ids
-        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != (stager is not None):
-            cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
-            full = [id(p) for p in params] == cache.member_ids
-        slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-        moved = slot_ptrs != cache.grad_ptrs
-        if moved:
-            # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
-            ids = ids or (cache.member_ids if full else [id(p) for p in params])
-            got = self._check_grads(params, grads, cache if full else None)
-            if full:
-                dtypes = got
-            else:
-                dtypes = list(cache.grad_dtypes)
-                for i, d in zip(ids, got):
-                    dtypes[cache.slot_of[i]] = d
-            if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
-                full = ids == cache.member_ids
-                slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-            cache.grad_ptrs = slot_ptrs
-            self.grad_moves += 1
-
-        # Step counters: all cached params in one add (on the numpy view of the counters' buffer: a fraction of the
-        # host time of a tensor operation), or only the stepping ones.
-        if full:
-            cache.steps_np += 1
-            stepping = cache.steps_np
-        else:
-            active = torch.tensor([cache.slot_of[i] for i in ids], dtype=torch.int64)
-            cache.steps.index_add_(0, active, torch.ones(len(ids), dtype=torch.float32))
-            stepping = cache.steps_np[active.numpy()]
-        if len(stepping) <= 64:  # a bucket of gradient release: Python's min/max of a short list beat numpy's
-            counts = stepping.tolist()
-            lo, hi = int(min(counts)), int(max(counts))
-        else:
-            lo, hi = int(stepping.min()), int(stepping.max())
-
-        uniform = lo == hi
-        if uniform:
-            # gradient release steps a group bucket by bucket: the buckets of one step share their scalars
-            key = (lo, *hp.values())
-            if self._scalars_key != key:
-                self._scalars_key, self._scalars = key, ref.StepScalars.make(step=lo, **hp)
-            scalars = self._scalars
-        else:
-            # Python float math per distinct step count, exactly as the reference computes it.
-            table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
-            scalars = table[lo]
-        for plan, slots, slots_np in cache.plans:
-            if moved:  # the plans hold cache.grad_ptrs otherwise
-                plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
-            if not uniform:
-                t = cache.steps_np[slots_np].astype(np.int64)
-                known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
-                plan.set_tensor_steps(
-                    t,
-                    [k.step_size if k else 0.0 for k in known],
-                    [k.inv_bc2_sqrt if k else 0.0 for k in known],
-                )
+        cache, ids = self._cache_for(group, params, grads, states, tensor_indices, bucket, stager is not None, ptrs)
+        step, scalars, uniform = self._step(cache, ids, hp)
         device = cache.plans[0][0].device
         if callable(grad_scale):
             grad_scale = grad_scale([entry[0] for entry in cache.plans])
@@ -378,7 +311,7 @@ class TritonEngine:
             grad_scale = grad_scale.to(device, non_blocking=device.type != "cpu")
         flags = {
             "nonfinite": None if nonfinite is None else (nonfinite.counts(device), nonfinite.serial),
-            "step": lo,
+            "step": step,
             "scalars": scalars,
             "maximize": group["maximize"],
             "stochastic_param": group["param_rounding"] == "stochastic",
@@ -392,6 +325,94 @@ class TritonEngine:
                 continue
             for programs, table in stager(plan, cache.plan_members[i], i):
                 plan.launch(**flags, programs=programs, state_table=table)
+
+    def _cache_for(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
+        bucket: object,
+        streamed: bool,
+        ptrs: list[int],
+    ) -> tuple[_GroupCache, list[int] | None]:
+        """The cache entry of (group, bucket), rebuilt when its params, format, seed, streaming or gradient dtypes
+        changed, with its plans' gradient addresses set to ``ptrs`` (new addresses are checked first). Also returns
+        the ids of ``params`` when they are not exactly the cached members in order (None when they are)."""
+
+        def rebuild():
+            return self._rebuild(group, params, grads, states, tensor_indices, bucket, streamed)
+
+        cache = self._cache.get((id(group), bucket))
+        full = (
+            cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
+        )
+        ids = None
+        if not full:
+            ids = [id(p) for p in params]
+            if cache is None or not all(i in cache.slot_of for i in ids):
+                cache = rebuild()
+                full = ids == cache.member_ids
+        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != streamed:
+            cache = rebuild()
+            full = [id(p) for p in params] == cache.member_ids
+        slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+        if slot_ptrs == cache.grad_ptrs:
+            return cache, None if full else ids
+        # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
+        ids = ids or (cache.member_ids if full else [id(p) for p in params])
+        got = self._check_grads(params, grads, cache if full else None)
+        if full:
+            dtypes = got
+        else:
+            dtypes = list(cache.grad_dtypes)
+            for i, d in zip(ids, got):
+                dtypes[cache.slot_of[i]] = d
+        if dtypes != cache.grad_dtypes:
+            cache = rebuild()
+            full = ids == cache.member_ids
+            slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+        cache.grad_ptrs = slot_ptrs
+        self.grad_moves += 1
+        for plan, slots, _ in cache.plans:
+            plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
+        return cache, None if full else ids
+
+    def _step(self, cache: _GroupCache, ids: list[int] | None, hp: dict[str, float]):
+        """Increment the step counters of the stepping params (all cached ones when ``ids`` is None) and return the
+        lowest step count among them, its scalars, and whether every stepping param is at that step. When they are not, each plan gets a
+        per-tensor table of step sizes (Python float math per distinct step count, exactly as the reference)."""
+        # All cached params in one add (on the numpy view of the counters' buffer: a fraction of the host time of a
+        # tensor operation), or only the stepping ones.
+        if ids is None:
+            cache.steps_np += 1
+            stepping = cache.steps_np
+        else:
+            active = torch.tensor([cache.slot_of[i] for i in ids], dtype=torch.int64)
+            cache.steps.index_add_(0, active, torch.ones(len(ids), dtype=torch.float32))
+            stepping = cache.steps_np[active.numpy()]
+        if len(stepping) <= 64:  # a bucket of gradient release: Python's min/max of a short list beat numpy's
+            counts = stepping.tolist()
+            lo, hi = int(min(counts)), int(max(counts))
+        else:
+            lo, hi = int(stepping.min()), int(stepping.max())
+        if lo == hi:
+            # gradient release steps a group bucket by bucket: the buckets of one step share their scalars
+            key = (lo, *hp.values())
+            if self._scalars_key != key:
+                self._scalars_key, self._scalars = key, ref.StepScalars.make(step=lo, **hp)
+            return lo, self._scalars, True
+        table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
+        for plan, _, slots_np in cache.plans:
+            t = cache.steps_np[slots_np].astype(np.int64)
+            known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
+            plan.set_tensor_steps(
+                t,
+                [k.step_size if k else 0.0 for k in known],
+                [k.inv_bc2_sqrt if k else 0.0 for k in known],
+            )
+        return lo, table[lo], False
 
     @staticmethod
     def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:
