@@ -104,6 +104,25 @@ def test_one_count_per_step_over_launches():
     assert counts.tolist() == [9, 2, 4, 4]
 
 
+def test_engine_without_the_check_updates_and_counts_nothing():
+    """``TritonEngine(check_nonfinite=False)`` (the step benchmark's ``_nocheck`` rows) launches the kernel without the
+    check: a non-finite gradient reaches the parameter and nothing is counted; the default engine skips and counts."""
+    from apexw_hf.engines import triton_engine
+
+    results = {}
+    for check in (True, False):
+        p = torch.nn.Parameter(torch.ones(512, device=DEVICE))
+        opt = ApexW([p], lr=1e-2, state_format="compact", engine="triton")
+        triton_engine(opt).check_nonfinite = check
+        p.grad = torch.ones_like(p)
+        p.grad[3] = float("nan")
+        with pytest.warns(RuntimeWarning) if check and DEVICE == "cpu" else _nothing():
+            opt.step()
+        results[check] = (torch.isfinite(p.detach()).all().item(), opt.nonfinite_skipped)
+    assert results[True] == (True, 1)
+    assert results[False] == (False, 0)
+
+
 # ---- through the engine ----------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@ Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`; ``ApexW`` calls i
 :func:`apexw_hf.engines.engine_for`)::
 
     engine = TritonEngine()                  # one per optimizer, created lazily on the first Triton step
+                                             # (check_nonfinite=False: only to time what that check costs)
     engine.check(group, params, grads)       # before the caller creates missing state
     engine.step_group(group, params, grads, states, tensor_indices, bucket=None, grad_scale=None, stager=None,
                       nonfinite=None)        # params: the group's params whose .grad is not None, in group order
@@ -114,7 +115,7 @@ class _GroupCache:
 class TritonEngine:
     """Runs :meth:`ApexW.step` for param groups on the Triton kernels (see the module docstring for the contract)."""
 
-    def __init__(self):
+    def __init__(self, check_nonfinite: bool = True):
         try:
             from . import kernels  # noqa: F401
         except ImportError as e:
@@ -129,6 +130,10 @@ class TritonEngine:
         self._scalars_key: tuple | None = None  # (step, lr, betas, eps, weight_decay) of the last uniform step
         self._scalars = None
         self._hp_memo: dict[int, tuple[tuple, dict[str, float]]] = {}  # id(group) -> (its raw values, step_hparams)
+        # Blocks with a non-finite gradient are left un-updated and counted (reference.nonfinite_blocks). Off only to
+        # time what that check costs (benchmarks/bench_step.py's _nocheck rows): the update then differs from the
+        # reference's on non-finite gradients.
+        self.check_nonfinite = bool(check_nonfinite)
 
     def _hparams(self, group: dict) -> dict[str, float]:
         """``step_hparams(group)``, read again only when one of the group's values is another object than at its last
@@ -283,8 +288,8 @@ class TritonEngine:
         the plan is launched over those work items with the state addresses of that table
         (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
 
-        One function of ~120 lines: it runs once per bucket on the host's critical path (gradient release, and LoRA
-        steps of hundreds of small tensors are host-bound), and its parts share the cache entry and a dozen locals.
+        Host time here is on the critical path (once per bucket under gradient release; LoRA steps of hundreds of
+        small tensors are host-bound): the parts below are C-level passes over lists wherever the list is long.
         """
         if not params:
             return
@@ -297,6 +302,48 @@ class TritonEngine:
         except RuntimeError:  # a gradient without storage (sparse): say which and why, as the torch engine does
             self._check_grads(params, grads)
             raise
+        cache, ids = self._cache_for(group, params, grads, states, tensor_indices, bucket, stager is not None, ptrs)
+        step, scalars, uniform = self._step(cache, ids, hp)
+        device = cache.plans[0][0].device
+        if callable(grad_scale):
+            grad_scale = grad_scale([entry[0] for entry in cache.plans])
+        if grad_scale is not None and grad_scale.device != device:  # (ordered on the device's stream, not waited for)
+            grad_scale = grad_scale.to(device, non_blocking=device.type != "cpu")
+        flags = {
+            "nonfinite": None if nonfinite is None else (nonfinite.counts(device), nonfinite.serial),
+            "step": step,
+            "scalars": scalars,
+            "maximize": group["maximize"],
+            "stochastic_param": group["param_rounding"] == "stochastic",
+            "per_tensor_step": not uniform,
+            "grad_scale": grad_scale,
+            "check_nonfinite": self.check_nonfinite,
+        }
+        for i, (plan, _, _) in enumerate(cache.plans):
+            if stager is None:
+                plan.launch(**flags)
+                continue
+            for programs, table in stager(plan, cache.plan_members[i], i):
+                plan.launch(**flags, programs=programs, state_table=table)
+
+    def _cache_for(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
+        bucket: object,
+        streamed: bool,
+        ptrs: list[int],
+    ) -> tuple[_GroupCache, list[int] | None]:
+        """The cache entry of (group, bucket), rebuilt when its params, format, seed, streaming or gradient dtypes
+        changed, with its plans' gradient addresses set to ``ptrs`` (new addresses are checked first). Also returns
+        the ids of ``params`` when they are not exactly the cached members in order (None when they are)."""
+
+        def rebuild():
+            return self._rebuild(group, params, grads, states, tensor_indices, bucket, streamed)
+
         cache = self._cache.get((id(group), bucket))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
@@ -305,33 +352,40 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
+                cache = rebuild()
                 full = ids == cache.member_ids
-        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != (stager is not None):
-            cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
+        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != streamed:
+            cache = rebuild()
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-        moved = slot_ptrs != cache.grad_ptrs
-        if moved:
-            # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
-            ids = ids or (cache.member_ids if full else [id(p) for p in params])
-            got = self._check_grads(params, grads, cache if full else None)
-            if full:
-                dtypes = got
-            else:
-                dtypes = list(cache.grad_dtypes)
-                for i, d in zip(ids, got):
-                    dtypes[cache.slot_of[i]] = d
-            if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads, states, tensor_indices, bucket, stager is not None)
-                full = ids == cache.member_ids
-                slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-            cache.grad_ptrs = slot_ptrs
-            self.grad_moves += 1
-
-        # Step counters: all cached params in one add (on the numpy view of the counters' buffer: a fraction of the
-        # host time of a tensor operation), or only the stepping ones.
+        if slot_ptrs == cache.grad_ptrs:
+            return cache, None if full else ids
+        # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
+        ids = ids or (cache.member_ids if full else [id(p) for p in params])
+        got = self._check_grads(params, grads, cache if full else None)
         if full:
+            dtypes = got
+        else:
+            dtypes = list(cache.grad_dtypes)
+            for i, d in zip(ids, got):
+                dtypes[cache.slot_of[i]] = d
+        if dtypes != cache.grad_dtypes:
+            cache = rebuild()
+            full = ids == cache.member_ids
+            slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+        cache.grad_ptrs = slot_ptrs
+        self.grad_moves += 1
+        for plan, slots, _ in cache.plans:
+            plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
+        return cache, None if full else ids
+
+    def _step(self, cache: _GroupCache, ids: list[int] | None, hp: dict[str, float]):
+        """Increment the step counters of the stepping params (all cached ones when ``ids`` is None) and return the
+        lowest step count among them, its scalars, and whether every stepping param is at that step. When they are not, each plan gets a
+        per-tensor table of step sizes (Python float math per distinct step count, exactly as the reference)."""
+        # All cached params in one add (on the numpy view of the counters' buffer: a fraction of the host time of a
+        # tensor operation), or only the stepping ones.
+        if ids is None:
             cache.steps_np += 1
             stepping = cache.steps_np
         else:
@@ -343,49 +397,22 @@ class TritonEngine:
             lo, hi = int(min(counts)), int(max(counts))
         else:
             lo, hi = int(stepping.min()), int(stepping.max())
-
-        uniform = lo == hi
-        if uniform:
+        if lo == hi:
             # gradient release steps a group bucket by bucket: the buckets of one step share their scalars
             key = (lo, *hp.values())
             if self._scalars_key != key:
                 self._scalars_key, self._scalars = key, ref.StepScalars.make(step=lo, **hp)
-            scalars = self._scalars
-        else:
-            # Python float math per distinct step count, exactly as the reference computes it.
-            table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
-            scalars = table[lo]
-        for plan, slots, slots_np in cache.plans:
-            if moved:  # the plans hold cache.grad_ptrs otherwise
-                plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
-            if not uniform:
-                t = cache.steps_np[slots_np].astype(np.int64)
-                known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
-                plan.set_tensor_steps(
-                    t,
-                    [k.step_size if k else 0.0 for k in known],
-                    [k.inv_bc2_sqrt if k else 0.0 for k in known],
-                )
-        device = cache.plans[0][0].device
-        if callable(grad_scale):
-            grad_scale = grad_scale([entry[0] for entry in cache.plans])
-        if grad_scale is not None and grad_scale.device != device:  # (ordered on the device's stream, not waited for)
-            grad_scale = grad_scale.to(device, non_blocking=device.type != "cpu")
-        flags = {
-            "nonfinite": None if nonfinite is None else (nonfinite.counts(device), nonfinite.serial),
-            "step": lo,
-            "scalars": scalars,
-            "maximize": group["maximize"],
-            "stochastic_param": group["param_rounding"] == "stochastic",
-            "per_tensor_step": not uniform,
-            "grad_scale": grad_scale,
-        }
-        for i, (plan, _, _) in enumerate(cache.plans):
-            if stager is None:
-                plan.launch(**flags)
-                continue
-            for programs, table in stager(plan, cache.plan_members[i], i):
-                plan.launch(**flags, programs=programs, state_table=table)
+            return lo, self._scalars, True
+        table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
+        for plan, _, slots_np in cache.plans:
+            t = cache.steps_np[slots_np].astype(np.int64)
+            known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
+            plan.set_tensor_steps(
+                t,
+                [k.step_size if k else 0.0 for k in known],
+                [k.inv_bc2_sqrt if k else 0.0 for k in known],
+            )
+        return lo, table[lo], False
 
     @staticmethod
     def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:
