@@ -614,66 +614,89 @@ def _restore_blocks(kept: list) -> list[tuple[int, int]]:
     return [(slot, count) for slot, count, _ in kept]
 
 
+class _Operands:
+    """A chunk's operands after the gather: the gradient ``G`` and parameter ``P`` (fp32), the moments ``M`` and ``V``
+    (fp32; ``MV`` both side by side, or None), and where the stored state is (``m_state``, ``v_state``, ``m_scale``,
+    ``v_scale``; ``scales2``: both moments' scales side by side, where they are)."""
+
+    __slots__ = ("G", "P", "M", "V", "MV", "m_state", "v_state", "m_scale", "v_scale", "scales2")
+
+    def __init__(self, b):
+        self.G, self.M, self.V, self.P, self.MV = b.g, b.m, b.v, b.p, b.mv
+        self.m_state = self.v_state = self.m_scale = self.v_scale = self.scales2 = None
+
+
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter. Returns
     ``(slot, blocks)`` of the pieces whose blocks with a non-finite gradient were left as they were (usually none:
     one sum of the gathered gradient, in cache, tells whether any element is not finite)."""
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
-    fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
-    n = ch.length
-    b = sc.upto(n, layout.block or ref.BLOCK)
-    G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
-    MV = b.mv  # m and v side by side (2n), or None
-    scales2 = None  # both moments' scales side by side, where they are
+    b = sc.upto(ch.length, layout.block or ref.BLOCK)
+    o = _gather(layout, ch, b, grads)
+    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
+    kept = None if math.isfinite(float(o.G.sum())) else _kept_blocks(layout, ch, grads)
+    if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
+        b.m.copy_(ref.dequantize_m(o.m_state, o.m_scale).reshape(-1))
+        b.v.copy_(ref.dequantize_v(o.v_state, o.v_scale).reshape(-1))
+    elif layout.fmt == "4bit":
+        decode_4bit(b, sc.c, o.m_state, o.m_scale, o.v_scale, o.scales2)  # m_state: both moments' codes
+    moments_nan = _update(layout, ch, b, o, k, maximize)
+    _round_and_encode(layout, ch, sc.c, b, o, k, keys_mv, keys_p, stochastic_p, moments_nan)
+    return _restore_blocks(kept) if kept else ()
+
+
+def _gather(layout: _Layout, ch: _Chunk, b, grads) -> _Operands:
+    """The chunk's gradient, parameter and stored state into the scratch ``b`` (or views of them, for a chunk of one
+    contiguous piece: ``ch.direct``)."""
+    fmt, dtype, io, n = layout.fmt, layout.dtype, ch.io, ch.length
     four = fmt == "4bit"
-    # ---- gather ---------------------------------------------------------------------------------------------
+    o = _Operands(b)
     if ch.direct:
         slot, a, _, _, _ = ch.segs[0]
         g = grads[slot].reshape(-1)[a : a + n]
         if g.dtype == torch.float32:
-            G = g  # maximize negates (1 - beta1) instead: (-g) * c == g * (-c) and (-g) * (-g) == g * g, bit for bit
+            o.G = g  # maximize negates (1 - beta1) instead: (-g) * c == g * (-c) and (-g) * (-g) == g * g, bit for bit
         else:
-            G.copy_(g)
+            o.G.copy_(g)
         if dtype == torch.float32:
-            P = io["p"]
+            o.P = io["p"]
         else:
-            P.copy_(io["p"])
-        m_state, v_state = (io[MV4_KEY], None) if four else (io["exp_avg"], io["exp_avg_sq"])
+            o.P.copy_(io["p"])
+        o.m_state, o.v_state = (io[MV4_KEY], None) if four else (io["exp_avg"], io["exp_avg_sq"])
         if fmt == "fp32":
-            M, V, MV = m_state, v_state, None
+            o.M, o.V, o.MV = o.m_state, o.v_state, None
         elif fmt == "compact":
-            M.copy_(m_state)
-            V.copy_(v_state)
+            o.M.copy_(o.m_state)
+            o.V.copy_(o.v_state)
         else:
-            m_scale, v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+            o.m_scale, o.v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+        return o
+    srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
+    torch._foreach_copy_(io["g_dst"], srcs)
+    for kind, dst, src in io["gather"]:
+        if kind == "cat":
+            torch.cat(src, out=dst)
+        else:
+            torch._foreach_copy_(dst, src)
+    if io["pads_in"]:
+        torch._foreach_zero_(io["pads_in"])
+    if io["moments_in"][0]:
+        torch._foreach_copy_(*io["moments_in"])
+    o.m_state, o.v_state = (io["mom"], None) if four else (io["mom_m"], io["mom_v"])
+    if fmt == "fp32":
+        o.M, o.V, o.MV = o.m_state, o.v_state, io["mom"]
+    elif fmt == "compact":
+        b.mv.copy_(io["mom"])
     else:
-        srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
-        torch._foreach_copy_(io["g_dst"], srcs)
-        for kind, dst, src in io["gather"]:
-            if kind == "cat":
-                torch.cat(src, out=dst)
-            else:
-                torch._foreach_copy_(dst, src)
-        if io["pads_in"]:
-            torch._foreach_zero_(io["pads_in"])
-        if io["moments_in"][0]:
-            torch._foreach_copy_(*io["moments_in"])
-        m_state, v_state = (io["mom"], None) if four else (io["mom_m"], io["mom_v"])
-        if fmt == "fp32":
-            M, V, MV = m_state, v_state, io["mom"]
-        elif fmt == "compact":
-            b.mv.copy_(io["mom"])
-        else:
-            m_scale, v_scale, scales2 = io["scl_m"], io["scl_v"], io["scl"]
-    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
-    kept = None if math.isfinite(float(G.sum())) else _kept_blocks(layout, ch, grads)
-    if fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
-        b.m.copy_(ref.dequantize_m(m_state, m_scale).reshape(-1))
-        b.v.copy_(ref.dequantize_v(v_state, v_scale).reshape(-1))
-    elif four:
-        decode_4bit(b, c, m_state, m_scale, v_scale, scales2)  # m_state: both moments' codes
+        o.m_scale, o.v_scale, o.scales2 = io["scl_m"], io["scl_v"], io["scl"]
+    return o
+
+
+def _update(layout: _Layout, ch: _Chunk, b, o: _Operands, k, maximize) -> bool:
+    """The reference's update of the moments and the fp32 parameter, in its operation order. Returns whether a
+    compact chunk's moments hold a NaN (m or v NaN, or inf / inf), which its bit-level encoding does not handle."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
+    G, M, V, MV, P, A, n = o.G, o.M, o.V, o.MV, o.P, b.a, ch.length
     v_np = b.np["v"] if b.cpu and V is b.v else None
-    # ---- the update, in the reference's operation order -------------------------------------------------------
     g_coef = neg_one_minus_beta1 if maximize else one_minus_beta1
     if MV is not None:  # m * beta1 and v * beta2 in one operation, and the two sums in one
         MV.view(2, n).mul_(betas)
@@ -685,14 +708,21 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         torch.mul(G, G, out=A).mul_(one_minus_beta2)
         V.mul_(beta2).add_(A)
     if ch.pads:
-        torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
+        torch._foreach_zero_(ch.io["pads_mv"])  # the reference pads m and v with zeros
     sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
     A.mul_(inv_bc2_sqrt).add_(eps)
     torch.div(M, A, out=A)
-    moments_nan = fmt == "compact" and math.isnan(float(A.sum()))  # m or v has a NaN (or inf / inf)
+    moments_nan = layout.fmt == "compact" and math.isnan(float(A.sum()))
     A.mul_(step_size)
     P.mul_(decay).sub_(A)
-    # ---- parameters -------------------------------------------------------------------------------------------
+    return moments_nan
+
+
+def _round_and_encode(layout: _Layout, ch: _Chunk, c, b, o: _Operands, k, keys_mv, keys_p, stochastic_p, moments_nan):
+    """Round the parameter to its dtype and encode the moments into their format (both with the reference's random
+    words), then scatter a gathered chunk back."""
+    fmt, dtype, io = layout.fmt, layout.dtype, ch.io
+    P, M, V, m_state, v_state, m_scale, v_scale = o.P, o.M, o.V, o.m_state, o.v_state, o.m_scale, o.v_scale
     p_out = None
     if dtype != torch.float32:
         p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
@@ -702,7 +732,6 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs], low=False)
             _round_param(P, dtype, b, c, p_out)
             p_out = None
-    # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
         # the whole word for compact, 8-bit and 4-bit (their v reads bits 6-21) and a bf16 parameter
         top = fmt in ("compact", "8bit", "4bit") or p_out is not None
@@ -722,10 +751,10 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     elif fmt == "8bit":  # format version 3: the reference's encoding over the chunk's whole blocks
         bits = full_bits(b)
         qm, qms = ref.quantize_m(M, bits)
-        qv, qvs = ref.quantize_v(V, bits, v_scale, float(beta2))
+        qv, qvs = ref.quantize_v(V, bits, v_scale, float(k[2]))  # k[2]: beta2
         for dst, x in ((m_state, qm), (m_scale, qms), (v_state, qv), (v_scale, qvs)):
             dst.copy_(x.view(dst.shape))
-    elif four:
+    elif fmt == "4bit":
         sign_and_abs(b, c)
         path = block_scales(b, c, m_scale, v_scale)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
@@ -736,7 +765,6 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             encode_4bit(b, c, m_state, path == "exact")
     if not ch.direct and io["moments_out"][0]:
         torch._foreach_copy_(*io["moments_out"])
-    return _restore_blocks(kept) if kept else ()
 
 
 def _round_param(P, dtype, b, c, p_out) -> None:
