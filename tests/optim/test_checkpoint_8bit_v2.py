@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from apexw_hf import ApexW, ApexW8bit
-from apexw_hf import reference as ref
 from apexw_hf import formats as st
+from apexw_hf import reference as ref
 
 from .helpers import same_bits
 

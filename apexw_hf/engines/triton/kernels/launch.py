@@ -254,7 +254,7 @@ class LaunchPlan:
         self.grads_aligned = not (table & 15).any()
         _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
 
-    def state_table(self, bases) -> "StateTable":
+    def state_table(self, bases) -> StateTable:
         """A state address table of this plan's tensors for :meth:`launch` (``state_table=``), from one dict per tensor
         (plan order) of state key -> the address of its element 0 (block 0 for a scale). A launch over a range of
         work items (``programs``) dereferences only that range's elements, so state offload stages a range in a
