@@ -21,7 +21,8 @@ from apexw_hf.engines import torch as torch_engine
 from apexw_hf.engines import torch_passes
 
 from ..distributed import workers
-from .helpers import FORMATS, SHAPES, same_bits
+from ..optim.helpers import FORMATS, SHAPES, same_bits
+from .helpers import assert_same, reference_step
 
 FORMATS = tuple(dict.fromkeys((*FORMATS, "4bit")))
 QUANTIZED = ("8bit", "4bit")
@@ -31,43 +32,6 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(torch_engine, "CHUNK", 4096)
-
-
-@torch.no_grad()
-def reference_step(opt: ApexW) -> None:
-    """One step of ``opt`` by the per-tensor reference (the oracle)."""
-    for group in opt.param_groups:
-        b1, b2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = opt._init_state(p, group)
-            state["step"] += 1
-            t = int(state["step"].item())
-            scalars = reference.StepScalars.make(
-                lr=float(group["lr"]), beta1=b1, beta2=b2, eps=group["eps"], weight_decay=group["weight_decay"], step=t
-            )
-            reference.adamw_step_ref_(
-                p,
-                p.grad,
-                state,
-                fmt=group["state_format"],
-                scalars=scalars,
-                seed=group["seed"],
-                tensor_index=opt._tensor_index(p),
-                step=t,
-                maximize=group["maximize"],
-                param_rounding=group["param_rounding"],
-            )
-
-
-def assert_same(opt_a, params_a, opt_b, params_b):
-    for i, (a, b) in enumerate(zip(params_a, params_b)):
-        assert same_bits(a.detach(), b.detach()), f"param {i} {tuple(a.shape)} {a.dtype}"
-        sa, sb = opt_a.state.get(a, {}), opt_b.state.get(b, {})
-        assert sa.keys() == sb.keys(), i
-        for key in sa:
-            assert same_bits(sa[key], sb[key]), f"param {i} {tuple(a.shape)} state {key}"
 
 
 def _make(values, dtype):
@@ -107,7 +71,7 @@ def _random(shapes, steps, seed=0):
     return values, grads
 
 
-# optimizer options every path is compared under (also tests/optim/test_numba_engine.py)
+# optimizer options every path is compared under (also tests/engines/test_numba_engine.py)
 OPTIONS = pytest.mark.parametrize(
     "options",
     [dict(), dict(maximize=True), dict(param_rounding="nearest"), dict(lr=3e-2, betas=(0.8, 0.95), eps=0.0)],

@@ -20,8 +20,9 @@ import apexw_hf.engines
 from apexw_hf import ApexW, reference
 from apexw_hf.engines import torch as torch_engine
 
+from ..optim.helpers import SHAPES
 from . import test_torch_engine as tte
-from .helpers import SHAPES
+from .helpers import assert_same, reference_step
 
 try:
     from apexw_hf.engines import numba as numba_engine
@@ -138,7 +139,7 @@ def _one_step(values, grads, dtype=torch.float32, steps=1, fmt="8bit", **kw):
     """The engine and the reference from the same parameters, ``steps`` steps of ``grads``."""
     opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format=fmt, seed=21, **kw)
     tte._run(opt_a, pa, opt_b, pb, [grads] * steps)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+    assert_same(opt_a, pa, opt_b, pb)
     assert opt_a._cpu_engine.numba_used
     return opt_a, pa
 
@@ -202,7 +203,7 @@ def test_every_code_decoded_under_extreme_scales(fmt, dtype):
             state["exp_avg_scale"].copy_(scales)
             state["exp_avg_sq_scale"].copy_(scales.flip(0))
         tte._run(opt_a, pa, opt_b, pb, [[g]])
-        tte.assert_same(opt_a, pa, opt_b, pb)
+        assert_same(opt_a, pa, opt_b, pb)
         assert opt_a._cpu_engine.numba_used
 
 
@@ -251,8 +252,8 @@ def test_gradient_dtypes(fmt, dtype):
         for x, y, g in zip(pa, pb, row):
             x.grad, y.grad = g.to(dtype), g.to(dtype)
         opt_a.step()
-        tte.reference_step(opt_b)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+        reference_step(opt_b)
+    assert_same(opt_a, pa, opt_b, pb)
     assert opt_a._cpu_engine.numba_used
 
 
@@ -295,7 +296,7 @@ def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
     opt_a, pa, opt_b, pb = tte._twins(values, torch.float32, state_format="8bit", lr=1e-2)
     with caplog.at_level(logging.WARNING, logger=torch_engine.__name__):
         tte._run(opt_a, pa, opt_b, pb, grads)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+    assert_same(opt_a, pa, opt_b, pb)
     assert not opt_a._cpu_engine.numba_used
     warnings = [r.getMessage() for r in caplog.records if "numba" in r.getMessage()]
     assert len(warnings) == 1 and "pip install" in warnings[0]  # once, not per step
