@@ -309,30 +309,18 @@ SCALES += [2.0**100, 2.0**101, 2.0**120, 3.39e38, 3.4e38]
 def eight_bit_state_at_extreme_scales(dtype):
     """Steps from 8-bit states with tiny (bf16 subnormal, 1/scale infinite), huge and zero block scales, with zero,
     tiny and signed-zero gradients: the engine's exact path and the reference agree."""
-    values, grads = random_case([(1024,), (300,), (5000,)], steps=4, seed=12)
-    opt_a, pa, opt_b, pb = twins(values, dtype, state_format="8bit", lr=1e-3, seed=4)
-    run(opt_a, pa, opt_b, pb, grads[:1])
-    tiny = torch.tensor([2.0**-133, 2.0**-128, 2.0**-126, 0.0], dtype=torch.bfloat16)
-    for opt, ps in ((opt_a, pa), (opt_b, pb)):
-        s = opt.state[ps[0]]
-        s["exp_avg_scale"].copy_(tiny)
-        s["exp_avg_sq_scale"].copy_(tiny.flip(0))
-        s = opt.state[ps[2]]
-        s["exp_avg_scale"][::3] = 2.0**110
-        s["exp_avg_sq_scale"][::5] = 2.0**120
-    for row in grads[1:]:
-        row[0].zero_()
-        row[0][::7] = -0.0
-        row[0][::11] = 1e-40
-    run(opt_a, pa, opt_b, pb, grads[1:])
-    assert_same(opt_a, pa, opt_b, pb)
+    _state_at_extreme_scales("8bit", dtype, first_numel=1024, huge_m_scale=2.0**110)
 
 
 def four_bit_state_at_extreme_scales(dtype):
     """Steps from 4-bit states with tiny (bf16 subnormal, 1/scale infinite), huge (2**8 * scale overflows) and zero
     block scales, with zero, tiny and signed-zero gradients: the engine's exact paths and the reference agree."""
-    values, grads = random_case([(512,), (300,), (5000,)], steps=4, seed=12)
-    opt_a, pa, opt_b, pb = twins(values, dtype, state_format="4bit", lr=1e-3, seed=4)
+    _state_at_extreme_scales("4bit", dtype, first_numel=512, huge_m_scale=2.0**121)
+
+
+def _state_at_extreme_scales(fmt, dtype, first_numel, huge_m_scale):
+    values, grads = random_case([(first_numel,), (300,), (5000,)], steps=4, seed=12)
+    opt_a, pa, opt_b, pb = twins(values, dtype, state_format=fmt, lr=1e-3, seed=4)
     run(opt_a, pa, opt_b, pb, grads[:1])
     tiny = torch.tensor([2.0**-133, 2.0**-128, 2.0**-126, 0.0], dtype=torch.bfloat16)
     for opt, ps in ((opt_a, pa), (opt_b, pb)):
@@ -340,7 +328,7 @@ def four_bit_state_at_extreme_scales(dtype):
         s["exp_avg_scale"].copy_(tiny)
         s["exp_avg_sq_scale"].copy_(tiny.flip(0))
         s = opt.state[ps[2]]
-        s["exp_avg_scale"][::3] = 2.0**121
+        s["exp_avg_scale"][::3] = huge_m_scale
         s["exp_avg_sq_scale"][::5] = 2.0**120
     for row in grads[1:]:
         row[0].zero_()
