@@ -23,6 +23,12 @@ from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
 
+
+def _is_positive_int(value) -> bool:
+    """An int >= 1 (not a bool): what the size arguments take."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 ENGINES = ("auto", "triton", "torch")
 PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Group keys of torch.optim.AdamW that mean nothing here; dropped when a torch state dict is loaded.
@@ -160,17 +166,18 @@ class ApexW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         if not isinstance(state_offload, bool):
             raise TypeError(f"state_offload must be a bool, got {state_offload!r}")
-        piece_mib = offload_piece_mib
-        if piece_mib is not None and (isinstance(piece_mib, bool) or not isinstance(piece_mib, int) or piece_mib < 1):
-            raise ValueError(f"offload_piece_mib must be an int >= 1 (MiB) or None (the default), got {piece_mib!r}")
-        if piece_mib is not None and not state_offload:
+        if offload_piece_mib is not None and not _is_positive_int(offload_piece_mib):
+            raise ValueError(
+                f"offload_piece_mib must be an int >= 1 (MiB) or None (the default), got {offload_piece_mib!r}"
+            )
+        if offload_piece_mib is not None and not state_offload:
             raise ValueError(
                 "offload_piece_mib is for state_offload=True (the size of the pieces the state streams through the "
                 "GPU in); set state_offload=True or drop it"
             )
         if state_offload:
             needed = self._check_offload()
-            piece = default_piece_bytes(needed) if piece_mib is None else piece_mib * 2**20
+            piece = default_piece_bytes(needed) if offload_piece_mib is None else offload_piece_mib * 2**20
             self._offload = StateOffload(self, piece_bytes=piece)
         if gradient_release:
             self._release = GradientRelease(self, release_bucket_size, max_grad_norm, tied_grad_offload)
@@ -201,8 +208,7 @@ class ApexW(torch.optim.Optimizer):
                     "max_grad_norm is for gradient_release=True, where the gradients are gone by step(); without "
                     "release clip as usual with torch.nn.utils.clip_grad_norm_(params, max_norm) before step()"
                 )
-        bad_size = isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1
-        if bucket_size is not None and bad_size:
+        if bucket_size is not None and not _is_positive_int(bucket_size):
             raise ValueError(
                 f"release_bucket_size must be an int >= 1 (gradient elements) or None (the default, growing limit), "
                 f"got {bucket_size!r}"

@@ -61,6 +61,8 @@ def default_piece_bytes(state_bytes: int) -> int:
     """The piece size for a state of ``state_bytes`` in all: 1/``PIECES_PER_STATE`` of it, within
     [``MIN_PIECE_BYTES``, ``PIECE_BYTES``]."""
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, state_bytes // PIECES_PER_STATE))
+
+
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 # Host state is taken from blocks of this many bytes (a parameter whose state is larger gets a block of its own): the
 # state tensors of consecutive parameters lie one after the other, each at a multiple of ALIGN, as a piece lays them
