@@ -8,10 +8,10 @@ format     tensors                      bytes per parameter
 =========  ===========================  ==============================================================
 fp32       exp_avg, exp_avg_sq: fp32    8
 compact    exp_avg, exp_avg_sq: bf16    4
-8bit       exp_avg: uint8 codes,        2, plus 2 * 2 bytes of bf16 scales per block of
-           exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements
-           exp_avg_scale,
-           exp_avg_sq_scale: bf16
+8bit       exp_avg: uint8 codes,        2, plus 2 + 4 bytes of scales per block of
+           exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements (2.023)
+           exp_avg_scale: bf16,
+           exp_avg_sq_scale: fp32
 4bit       exp_avg_mv: uint8, both      1, plus 2 + 4 bytes of scales per block of
            moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements (1.047)
            exp_avg_scale: bf16,
@@ -21,10 +21,11 @@ compact    exp_avg, exp_avg_sq: bf16    4
 The key names are those of ``torch.optim.AdamW``, so a torch state dict maps onto them (and is converted); 4-bit
 state keeps both moments in one tensor, ``exp_avg_mv`` (``reference.quantize_mv4``).
 
-The 8-bit codes are of format version 2 (``reference.py``); the dtype of ``exp_avg`` says which version a state
-entry holds: uint8 (sign + e4m3 minifloat) is version 2, int8 (``(c/127)**2``) is version 1, written before version
-2 existed. A version-1 entry is converted on load (decoded, then re-encoded with the random stream of its step, so
-deterministically) and reported as ``"8bit_v1"`` by :func:`state_format_of`.
+The 8-bit codes are of format version 3 (``reference.py``); the dtypes say which version a state entry holds: an
+fp32 ``exp_avg_sq_scale`` (the envelope scale of e5m3 ``v`` codes) is version 3, a bf16 one with uint8 ``exp_avg``
+(e4m4 ``v`` codes) version 2 (``"8bit_v2"``), int8 ``exp_avg`` (``(c/127)**2``) version 1 (``"8bit_v1"``). Entries
+of versions 1 and 2 are converted on load (decoded, then re-encoded with the random stream of their step, so
+deterministically).
 
 The 4-bit codes are of format version 2 as well, and the dtype of ``exp_avg_sq_scale`` says which version an entry
 holds: fp32 (the exact block absmax of ``v``) is version 2, bf16 (the absmax rounded up) is version 1
@@ -45,7 +46,7 @@ from . import reference as ref
 
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
-EIGHT_BIT = ("8bit", "8bit_v1")  # the 8-bit layouts: the current codes and those of format version 1 (read only)
+EIGHT_BIT = ("8bit", "8bit_v2", "8bit_v1")  # the 8-bit layouts: version 3, and versions 2 and 1 (read only)
 FOUR_BIT = ("4bit", "4bit_v1")  # the 4-bit layouts: format version 2 and version 1 (read only)
 QUANTIZED = (*EIGHT_BIT, *FOUR_BIT)  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
@@ -54,13 +55,21 @@ MOMENT_DTYPES = {
     "fp32": (torch.float32, torch.float32),
     "compact": (torch.bfloat16, torch.bfloat16),
     "8bit": (torch.uint8, torch.uint8),
+    "8bit_v2": (torch.uint8, torch.uint8),
     "8bit_v1": (torch.int8, torch.uint8),
     "4bit": (torch.uint8,),
     "4bit_v1": (torch.uint8,),
 }
-SCALE_BLOCKS = {"8bit": ref.BLOCK, "8bit_v1": ref.BLOCK, "4bit": ref.BLOCK4, "4bit_v1": ref.BLOCK4}  # per scale
+SCALE_BLOCKS = {  # elements per scale
+    "8bit": ref.BLOCK,
+    "8bit_v2": ref.BLOCK,
+    "8bit_v1": ref.BLOCK,
+    "4bit": ref.BLOCK4,
+    "4bit_v1": ref.BLOCK4,
+}
 SCALE_DTYPES = {  # dtypes of (exp_avg_scale, exp_avg_sq_scale)
-    "8bit": (torch.bfloat16, torch.bfloat16),
+    "8bit": (torch.bfloat16, torch.float32),
+    "8bit_v2": (torch.bfloat16, torch.bfloat16),
     "8bit_v1": (torch.bfloat16, torch.bfloat16),
     "4bit": (torch.bfloat16, torch.float32),
     "4bit_v1": (torch.bfloat16, torch.bfloat16),
@@ -102,7 +111,7 @@ def init_state(
         state["exp_avg"] = zeros(p.shape, torch.uint8)
         state["exp_avg_scale"] = zeros(nb, torch.bfloat16)
         state["exp_avg_sq"] = zeros(p.shape, torch.uint8)
-        state["exp_avg_sq_scale"] = zeros(nb, torch.bfloat16)
+        state["exp_avg_sq_scale"] = zeros(nb, SCALE_DTYPES[fmt][1])
     elif fmt == "4bit":
         nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
         state[MV4_KEY] = zeros(p.shape, torch.uint8)
@@ -115,7 +124,8 @@ def init_state(
 
 def state_format_of(state: dict) -> str | None:
     """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
-    version 1 (int8 ``exp_avg``; always converted), ``"4bit_v1"`` for 4-bit codes of format version 1 (a bf16
+    version 1 (int8 ``exp_avg``; always converted), ``"8bit_v2"`` for those of version 2 (uint8 codes with a bf16
+    ``exp_avg_sq_scale``; always converted), ``"4bit_v1"`` for 4-bit codes of format version 1 (a bf16
     ``exp_avg_sq_scale``; always converted), ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
@@ -124,7 +134,9 @@ def state_format_of(state: dict) -> str | None:
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
-        return "8bit_v1" if getattr(state["exp_avg"], "dtype", None) == torch.int8 else "8bit"
+        if getattr(state["exp_avg"], "dtype", None) == torch.int8:
+            return "8bit_v1"
+        return "8bit_v2" if getattr(state.get("exp_avg_sq_scale"), "dtype", None) == torch.bfloat16 else "8bit"
     dtypes = {state["exp_avg"].dtype, state["exp_avg_sq"].dtype}
     if dtypes == {torch.bfloat16}:
         return "compact"

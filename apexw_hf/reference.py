@@ -20,18 +20,25 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
 * ``fp32``: exact.
 * ``compact``: bf16, written with stochastic rounding (16 random bits added below the bf16 mantissa, then
   truncated), so ``v`` keeps decaying at ``beta2 = 0.999``, where round-to-nearest would freeze it.
-* ``8bit`` (format version 2): blocks of :data:`BLOCK` elements along the flattened tensor, one bf16 scale per
-  block and moment (the block's absolute maximum rounded up to bf16); each element's magnitude, normalized by the
-  scale to ``y`` in [0, 1], is stored as an unsigned minifloat code with 4 exponent bits, exponent bias 15 and no
-  infinities: ``m`` as sign + e4m3 (uint8: bit 7 the sign, bits 0-6 the magnitude code, largest used 120 = 1.0),
-  ``v`` as e4m4 (uint8, largest used 240 = 1.0). Codes below ``2**mant`` are the subnormals ``code * 2**(-14 - mant)``
-  (down to 2**-17 for ``m``, 2**-18 for ``v``), the others ``2**(e - 15) * (1 + f / 2**mant)``. Encoding is integer
-  work on the fp32 bits of ``y`` (of ``y + 2**-14`` for subnormals): add random bits below the kept mantissa, shift,
-  subtract the exponent offset. That rounds stochastically and unbiased (to the resolution of the random bits; a
-  half unit is added below them, so the leftover error is at most half a step of that resolution and averages out),
-  keeps exactly representable values exact, encodes zero as code 0, and a nonzero ``v`` never gets code 0 (it would
-  turn the next update into ``m / eps``). Decoding builds the fp32 bits of the code value and multiplies by the
-  scale. Format version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``, chosen by a table search) is read only
+* ``8bit`` (format version 3): blocks of :data:`BLOCK` elements along the flattened tensor. ``m``: one bf16 scale per
+  block (the block's absolute maximum rounded up to bf16); each element's magnitude, normalized by the scale to ``y``
+  in [0, 1], is stored as sign + an unsigned e4m3 minifloat (4 exponent bits, bias 15, no infinities; uint8: bit 7 the
+  sign, bits 0-6 the magnitude code, largest used 120 = 1.0). ``v``: an e5m3 minifloat (5 exponent bits, bias 31;
+  largest used 248 = 1.0, normal codes down to 2**-30, subnormals to 2**-33) of ``v`` over an fp32 scale per block
+  that is an envelope of the block's maximum (:func:`v8_scale`): it decays by exactly ``beta2`` each step, so a ``v``
+  that only decays keeps its code, and restarts at twice the maximum when the maximum outgrows it. Codes below
+  ``2**mant`` are the subnormals ``code * 2**(1 - bias - mant)``, the others ``2**(e - bias) * (1 + f / 2**mant)``.
+  Encoding is integer work on the fp32 bits of ``y`` (of ``y + 2**(1 - bias)`` for subnormals): add random bits below
+  the kept mantissa, shift, subtract the exponent offset. That rounds stochastically and unbiased (to the resolution
+  of the random bits; a half unit is added below them, so the leftover error is at most half a step of that
+  resolution and averages out), keeps exactly representable values exact, encodes zero as code 0, and a nonzero ``v``
+  never gets code 0 (it would turn the next update into ``m / eps``). Decoding builds the fp32 bits of the code value
+  and multiplies by the scale. Why version 3 (issue 45): an element whose ``v`` sits far below its block's maximum
+  (outlier features and columns) reached only 2**-18 of it in version 2's e4m4 ``v`` (its smaller ``v`` read as
+  that, so it stepped up to 8x too short), and version 2's bf16 scale, re-rounding the whole block whenever the
+  maximum moved, made it walk (up to 1.3x too far); version 3 covers 2**-29 of the maximum and keeps the update size
+  within 2% of AdamW's from 2**4 to 2**24 below it (``docs/skewed_blocks.md``). Format version 2 (e4m4 ``v``, bf16
+  ``v`` scale, :func:`dequantize_v_v2`) and version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``) are read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
 * ``4bit`` (format version 2): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
   codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), a bf16 ``m`` scale and an fp32 ``v`` scale per block, about
@@ -52,12 +59,11 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
 
 Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
-``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. In ``8bit``, bits 0-9 round ``v`` (10 bits:
-with ``beta2 = 0.999`` each step moves ``v`` by a small fraction of a code), bits 10-15 round ``m`` (6 bits: with
-``beta1 = 0.9`` it moves by about a code per step), and the top 16 bits round a bf16 parameter, so the 8-bit kernel
-hashes one word per element instead of two. ``4bit`` rounds ``m`` with bits 0-5 and ``v`` with bits 6-21 (16 bits,
-the top six shared with a bf16 parameter's least significant ones; two contiguous fields cost the kernel fewer
-operations and registers than split ones).
+``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` and ``4bit`` round ``m`` with
+bits 0-5 (6 bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``v`` with bits 6-21 (16 bits: with
+``beta2 = 0.9999`` each step moves a decaying ``v`` by a small fraction of a code; the top six are shared with a bf16
+parameter's least significant ones; two contiguous fields cost the kernel fewer operations and registers than split
+ones), and the top 16 bits round a bf16 parameter, so their kernels hash one word per element instead of two.
 
 Non-finite gradients. A *block* of 256 consecutive elements of the flattened tensor (:data:`BLOCK`, the ``8bit``
 scale block, two ``4bit`` ones, one row of the kernel's tile) whose gradient holds a NaN or an infinity (after
@@ -105,6 +111,8 @@ __all__ = [
     "dequantize_m",
     "quantize_v",
     "dequantize_v",
+    "dequantize_v_v2",
+    "v8_scale",
     "num_blocks",
     "minifloat_code",
     "minifloat_value",
@@ -316,12 +324,12 @@ def _normalized(x_abs_blocks: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), torch.zeros_like(y), y)
 
 
-# Format version 2: minifloat codes. Both codes have 4 exponent bits with bias 15, so 1.0 (the block maximum) is the
-# code of exponent 15 and mantissa 0, and the subnormals (exponent 0) continue the lowest binade [2**-14, 2**-13)
-# linearly down to zero.
-M_MANT, V_MANT = 3, 4  # mantissa bits of the m (sign + e4m3) and v (e4m4) codes
+# Minifloat codes. The 8-bit m code has 4 exponent bits with bias 15, so 1.0 (the block maximum) is the code of
+# exponent 15 and mantissa 0, and the subnormals (exponent 0) continue the lowest binade [2**-14, 2**-13) linearly down
+# to zero; the 8-bit v code (version 3) has 5 exponent bits with bias 31, the same way.
+M_MANT = 3  # mantissa bits of the m code (sign + e4m3)
 M_SIGN = 128  # the sign bit of an m code
-M_CODE_MAX, V_CODE_MAX = 120, 240  # the codes of 1.0
+M_CODE_MAX = 120  # the code of 1.0
 BIAS = 15  # exponent bias of the 8-bit codes and of the 4-bit v code
 MIN_NORMAL = 2.0**-14
 _EXP_OFFSET = 127 - 15  # fp32 exponent field of code exponent 0
@@ -329,8 +337,15 @@ _EXP_OFFSET = 127 - 15  # fp32 exponent field of code exponent 0
 M4_BIAS = 7
 M4_SIGN = 8  # the sign bit of a 4-bit m code
 M4_CODE_MAX, V4_CODE_MAX = 7, 15  # the codes of 1.0
-M_RAND_SHIFT, M_RAND_BITS = 10, 6  # bits 10-15 of the moments' random word round m
-V_RAND_SHIFT, V_RAND_BITS = 0, 10  # bits 0-9 round v
+M_RAND_SHIFT, M_RAND_BITS = 0, 6  # bits 0-5 of the moments' random word round m (8-bit and 4-bit)
+V_RAND_SHIFT, V_RAND_BITS = 0, 10  # 4-bit version 1's v: bits 0-9
+# 8-bit v (format version 3): e5m3, exponent bias 31, so 1.0 is code 248 and the normal codes reach 2**-30 (the
+# subnormals 2**-33); 16 random bits, bits 6-21 of the word (as 4-bit v)
+V8_MANT, V8_BIAS, V8_CODE_MAX = 3, 31, 248
+V8_RAND_SHIFT, V8_RAND_BITS = 6, 16
+V8_HEADROOM = 2.0  # a v scale that restarts is this times the block's absmax
+# 8-bit v of format version 2 (read only): e4m4, bias 15, 1.0 = code 240, bf16 scale
+V2_MANT, V2_CODE_MAX = 4, 240
 V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
 M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
@@ -382,7 +397,8 @@ def minifloat_value(code: torch.Tensor, mant: int, bias: int = BIAS) -> torch.Te
 def quantize_m(m: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 first moment -> (uint8 sign + e4m3 codes shaped like ``m``, bf16 scales of shape (num_blocks,)).
 
-    ``bits``: the 32-bit random word per element; bits 10-15 round ``m``.
+    ``bits``: the 32-bit random word per element; bits 0-5 round ``m`` (bits 10-15 in format version 2, whose codes
+    are otherwise the same).
     """
     n = m.numel()
     mb = _blocks(m)
@@ -401,24 +417,61 @@ def dequantize_m(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return m.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
-def quantize_v(v: torch.Tensor, bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 second moment (>= 0) -> (uint8 e4m4 codes shaped like ``v``, bf16 scales of shape (num_blocks,)).
+def v8_scale(v_blocks: torch.Tensor, prev_scale: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit ``v`` scale of format version 3 (fp32, per block) and its fp32 reciprocal (0 where it is 0).
 
-    ``bits``: the 32-bit random word per element; bits 0-9 round ``v``.
+    An envelope of the block's absmax: the previous scale times ``beta2`` (one fp32 product) while the absmax stays at
+    or below that, else :data:`V8_HEADROOM` (2) times the absmax (a NaN absmax: the canonical NaN).
+
+    Why: an element whose ``v`` only decays (``v * beta2``, its gradients now small) keeps ``v / scale``, hence its
+    code, exactly, whatever the block's largest element does meanwhile, as long as the absmax stays under the envelope
+    (it cannot fall below it: ``v`` never shrinks faster than ``beta2``). A scale that follows the absmax instead (the
+    bf16 absmax of version 2, or the exact one) moves with every fluctuation of the largest ``v``, and each move
+    re-rounds every code of the block: a random walk of ``log2(v)`` that nothing pulls back while ``v`` decays, which
+    made small elements of skewed blocks step up to 1.3x as far as AdamW (``scripts/skew_walk.py``). The headroom
+    makes restarts rare: the absmax has to double against the envelope's decay. A scale of 0 (fresh state, and the
+    re-encoding of a conversion, which passes ``beta2 = 0``) restarts at once.
+    """
+    amax = v_blocks.amax(dim=1)
+    env = prev_scale.float() * torch.tensor(beta2, dtype=torch.float32)
+    s = torch.where(amax <= env, env, amax * V8_HEADROOM)
+    s = torch.where(torch.isnan(amax), torch.full_like(s, float("nan")), s)
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    return s, inv
+
+
+def quantize_v(
+    v: torch.Tensor, bits: torch.Tensor, prev_scale: torch.Tensor, beta2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 second moment (>= 0) -> (uint8 e5m3 codes shaped like ``v``, fp32 scales of shape (num_blocks,)): 8-bit
+    format version 3.
+
+    ``prev_scale``: the block scales stored before this step (zeros for fresh state); ``beta2``: the step's fp32
+    ``beta2`` (:func:`v8_scale`). ``bits``: the 32-bit random word per element; bits 6-21 round ``v`` (16 bits: at
+    ``beta2 = 0.9999`` a decaying ``v`` moves by 2**-10 of a code per step, which 10 bits rounded to 0 or 2**-10, a
+    decay up to 25% off). A nonzero ``v`` never gets code 0.
     """
     n = v.numel()
     vb = _blocks(v)
-    scale, inv = _scale(vb)
+    scale, inv = v8_scale(vb, prev_scale, beta2)
     y = _normalized(vb, inv)
-    r = _rand_offset(_blocks(bits), V_RAND_SHIFT, V_RAND_BITS, 23 - V_MANT)
-    c = minifloat_code(y, r, V_MANT)
+    r = _rand_offset(_blocks(bits), V8_RAND_SHIFT, V8_RAND_BITS, 23 - V8_MANT)
+    c = minifloat_code(y, r, V8_MANT, V8_BIAS)
     c = torch.where((vb > 0) & (c == 0), torch.ones_like(c), c)
     return c.reshape(-1)[:n].to(torch.uint8).view(v.shape), scale
 
 
 def dequantize_v(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 second moment of 8-bit format version 3 (e5m3 codes, fp32 scales)."""
     c = _blocks(codes.to(torch.int64))
-    v = minifloat_value(c, V_MANT) * scale.float()[:, None]
+    v = minifloat_value(c, V8_MANT, V8_BIAS) * scale.float()[:, None]
+    return v.reshape(-1)[: codes.numel()].view(codes.shape)
+
+
+def dequantize_v_v2(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 second moment of 8-bit format version 2 (e4m4 codes, bf16 scales), read only to convert checkpoints."""
+    c = _blocks(codes.to(torch.int64))
+    v = minifloat_value(c, V2_MANT) * scale.float()[:, None]
     return v.reshape(-1)[: codes.numel()].view(codes.shape)
 
 
@@ -589,11 +642,13 @@ def dequantize_v_v1(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``.
 
-    ``fmt`` may also be ``"8bit_v1"``, the 8-bit codes of format version 1 (read only), or ``"4bit_v1"``.
+    ``fmt`` may also be ``"8bit_v1"`` or ``"8bit_v2"``, the 8-bit codes of format version 1 or 2 (read only), or
+    ``"4bit_v1"``.
     """
-    if fmt == "8bit":
+    if fmt in ("8bit", "8bit_v2"):
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
-        v = dequantize_v(state["exp_avg_sq"], state["exp_avg_sq_scale"])
+        dq = dequantize_v if fmt == "8bit" else dequantize_v_v2
+        v = dq(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
     if fmt in ("4bit", "4bit_v1"):
         m, v = dequantize_mv4(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
@@ -605,11 +660,12 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
     return state["exp_avg"].float(), state["exp_avg_sq"].float()
 
 
-def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
+def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> None:
     """Encode fp32 moments into the (preallocated) state tensors of format ``fmt``, in place.
 
     ``key``: the moments' random stream (``stream_key(..., STREAM_MV)``); which bits of each element's random word
-    round ``m`` and ``v`` depends on the format (see the module's docstring).
+    round ``m`` and ``v`` depends on the format (see the module's docstring). ``beta2``: the step's fp32 ``beta2``, by
+    which the ``8bit`` ``v`` scale stored in ``state`` decays (:func:`v8_scale`); a conversion passes 0.
     """
     if fmt == "fp32":
         state["exp_avg"].copy_(m)
@@ -626,8 +682,10 @@ def store_moments(state: dict, fmt: str, m, v, key: int) -> None:
         state["exp_avg_scale"].copy_(sm)
         state["exp_avg_sq_scale"].copy_(sv)
         return
+    if fmt != "8bit":
+        raise ValueError(f"cannot encode state format {fmt!r}; allowed: {', '.join(STATE_FORMATS)}, 4bit_v1")
     cm, sm = quantize_m(m, bits)
-    cv, sv = quantize_v(v, bits)
+    cv, sv = quantize_v(v, bits, state["exp_avg_sq_scale"], beta2)
     state["exp_avg"].copy_(cm)
     state["exp_avg_scale"].copy_(sm)
     state["exp_avg_sq"].copy_(cv)
@@ -692,7 +750,7 @@ def adamw_step_ref_(
         key_p = stream_key(seed, tensor_index, step, param_stream(fmt, param.dtype))
         bits_p = hash_uniform_bits(p.numel(), key_p, p.device).view(p.shape)
     param.copy_(round_param(p, param.dtype, bits_p))
-    store_moments(state, fmt, m, v, stream_key(seed, tensor_index, step, STREAM_MV))
+    store_moments(state, fmt, m, v, stream_key(seed, tensor_index, step, STREAM_MV), s.beta2)
     if skipped:
         _restore_blocks(param, state, kept, bad)
     return skipped

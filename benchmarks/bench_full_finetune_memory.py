@@ -403,7 +403,7 @@ TIMED_CALLS = (
     "apexw_hf.optim.release:_norm_parts",
     "apexw_hf.engines.triton.kernels.release_norm:grad_sumsq_",
     "apexw_hf.engines.triton.kernels.release_norm:release_norm_",
-    "apexw_hf.optim.release:_scale_",
+    "apexw_hf.engines.torch:_scale_grads_",
     "apexw_hf.engines.triton.engine:TritonEngine.step_group",
     "apexw_hf.engines.triton.engine:TritonEngine._check_grads",
     "apexw_hf.engines.triton.kernels.launch:LaunchPlan.set_grad_ptrs",

@@ -92,24 +92,20 @@ def _apexw(fmt, engine, param_rounding="stochastic"):
 
 
 class _NoCheck:
-    """An ApexW whose launches leave out the kernel's non-finite gradient check (``launch.CHECK_NONFINITE`` off
-    during its steps only): what the check costs is its row's time minus the same format's ``_triton`` row, timed in
-    one process (``--optimizers apexw_8bit_triton apexw_8bit_nocheck ...``; name them twice, interleaved, to see the
-    run-to-run spread). Not in the default list: not a configuration anyone trains with."""
+    """An ApexW whose Triton engine leaves out the kernel's non-finite gradient check
+    (``TritonEngine(check_nonfinite=False)``): what the check costs is its row's time minus the same format's
+    ``_triton`` row, timed in one process (``--optimizers apexw_8bit_triton apexw_8bit_nocheck ...``; name them twice,
+    interleaved, to see the run-to-run spread). Not in the default list: not a configuration anyone trains with."""
 
     def __init__(self, fmt, params):
-        from apexw_hf.engines.triton.kernels import launch
+        from apexw_hf.engines import triton_engine
 
-        self._launch = launch
         self.opt = _apexw(fmt, "triton")(params)
         self.state = self.opt.state
+        triton_engine(self.opt).check_nonfinite = False
 
     def step(self):
-        self._launch.CHECK_NONFINITE = False
-        try:
-            self.opt.step()
-        finally:
-            self._launch.CHECK_NONFINITE = True
+        self.opt.step()
 
 
 def _nocheck(fmt):

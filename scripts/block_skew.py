@@ -92,6 +92,7 @@ def main(argv=None) -> list[dict]:
                 for block in BLOCKS:
                     rows.append({"step": state.global_step, "block": block, **summarize(vs, block)})
 
+    commit = describe_source()  # before the run: the tree it ran
     t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
         prepared = prepare_base(cfg, out, verbose=False)
@@ -111,7 +112,6 @@ def main(argv=None) -> list[dict]:
         )
         trainer.train()
     n_params = sum(p.numel() for p in model.parameters())
-    commit = describe_source()
     cmd = "python scripts/block_skew.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, {time.time() - t0:.0f} s; "

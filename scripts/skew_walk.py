@@ -185,18 +185,18 @@ def main(argv=None) -> list[dict]:
             "(> 0): out of range"
         )
     torch.set_num_threads(args.threads)
+    commit = describe_source()  # before the run: the tree it ran
     t0 = time.time()
     rows = run(
         formats, beta2s, log2_ratios, scenarios, args.blocks, args.block, args.burst, args.steps_scale, args.seed
     )
-    commit = describe_source()
     cmd = "python scripts/skew_walk.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, "
         f"{time.time() - t0:.0f} s; command: `{cmd.strip()}`",
         "",
-        "Mean distance moved by the small elements after the burst, as a ratio to fp32 torch AdamW's, by "
-        "`v` ratio (block maximum / element) of their gradients; target 0.9-1.1.",
+        f"Mean distance moved by the small elements (after a burst of {args.burst} steps), as a ratio to fp32 "
+        "torch AdamW's, by the ratio of the block maximum's g**2 to theirs; target 0.9-1.1.",
         "",
         *table(rows, formats, beta2s, log2_ratios, scenarios),
     ]

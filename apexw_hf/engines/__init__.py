@@ -1,14 +1,17 @@
 """The engines that compute ApexW's update, behind the one interface that :class:`~apexw_hf.optim.ApexW` calls.
 
 An engine steps one param group's parameters (or a gradient-release bucket of them) in place, bit for bit as
-:mod:`apexw_hf.reference` specifies::
+:mod:`apexw_hf.reference` specifies. It is given everything it needs as arguments and holds no reference to the
+optimizer::
 
     engine = engine_for(optimizer, group, params)   # chosen by group["engine"] and the parameters' device
-    engine.step_group(group, params, grads, bucket=None)
+    engine.check(group, params, grads)              # before the caller creates missing state
+    engine.step_group(group, params, grads, states, tensor_indices, bucket=None, grad_scale=None, stager=None,
+                      nonfinite=None)
     engine.invalidate()                              # after load_state_dict or any replacement of state tensors
 
 The engines, each created lazily, once per optimizer, and kept on it (``optimizer._engine``,
-``optimizer._cpu_engine``, which the recipe's reports read):
+``optimizer._cpu_engine``; :attr:`ApexW.engine_stats` tells which ran):
 
 - ``triton/``: :class:`~apexw_hf.engines.triton.engine.TritonEngine`, one kernel launch per (param group, param
   dtype, grad dtype), and its Triton kernels (``triton/kernels/``: the update kernel, the launch table, quantization
@@ -21,29 +24,68 @@ The engines, each created lazily, once per optimizer, and kept on it (``optimize
 saying once why when triton is missing or the interpreter is selected; ``"triton"`` and ``"torch"`` force one.
 
 This module imports nothing but the standard library at load time: importing the optimizer does not import triton
-or numba, and importing an engine does not import the optimizer (``tests/test_imports.py`` checks for circles). It
+or numba, and no engine imports the optimizer (``tests/test_imports.py`` checks the layers and circles). It
 binds no global named ``torch`` or ``triton`` either: those names are this package's submodules once imported.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Protocol
+from typing import Any, Protocol
+
+
+class NonfiniteCounters(Protocol):
+    """The counters an engine adds the blocks it skipped for non-finite gradients to (``step_group(nonfinite=...)``;
+    the optimizer's are :class:`apexw_hf.optim.nonfinite.NonfiniteGuard`, whose module describes the layout).
+
+    The Triton kernel counts on the device itself, into ``counts(device)`` with ``serial``; the torch engine counts
+    on the host and hands its counts to ``add``.
+    """
+
+    serial: int  # the number of the step in progress: the kernel swaps it into ``counts(device)[0]``
+
+    def counts(self, device: Any) -> Any:
+        """The int32 counters on ``device``: ``[0]`` the last step that skipped a block, ``[1]`` the steps that
+        skipped any, ``[2 + i]`` the blocks skipped of the tensor of index ``i`` (at least ``3 +`` the largest tensor
+        index given to the engine elements)."""
+
+    def add(self, device: Any, skipped: dict[int, int]) -> None:
+        """Add ``skipped`` (tensor index -> blocks skipped in this step) to the counters on ``device``, counting the
+        step once."""
 
 
 class Engine(Protocol):
     """What :class:`~apexw_hf.optim.ApexW` calls on an engine: the contract every engine keeps.
 
     ``tests/engines/test_contract.py`` checks each point below once for every engine (the torch engine with and
-    without its numba path, the Triton engine) and every state format, through ``ApexW(..., engine=...)``.
+    without its numba path, the Triton engine) and every state format, through ``ApexW(..., engine=...)`` and by
+    calling the engines directly.
 
-    An engine is created once per optimizer and keeps a reference to it. From the optimizer it uses ``state`` (the
-    per-parameter state dicts), ``_init_state(p, group)`` (a missing state in the group's format:
-    :func:`apexw_hf.formats.init_state`, or state offload's host copy), ``_tensor_index(p)`` (the parameter's index
-    for the random streams) and ``_nonfinite`` (the counters of skipped non-finite blocks, when present).
+    An engine is created without the optimizer (``TritonEngine()``, ``TorchEngine()``) and calls nothing on it:
+    what it needs comes as arguments (the state dicts, the tensor indices, the non-finite counters). It keeps caches
+    of its own, keyed by ``(id(group), bucket)``.
     """
 
-    def step_group(self, group: dict, params: list, grads: list, bucket: object = None) -> None:
+    def check(self, group: dict, params: list, grads: list) -> None:
+        """Raise the errors of :meth:`step_group` that its arguments ``group``, ``params`` and ``grads`` alone decide,
+        changing nothing. ``ApexW`` calls it before it creates the missing state of ``params`` (for a ``(group,
+        bucket)`` and parameter list it has not handed to the engine before), so a bad gradient creates no state.
+
+        Raises: what :meth:`step_group` lists under Raises.
+        """
+
+    def step_group(
+        self,
+        group: dict,
+        params: list,
+        grads: list,
+        states: list,
+        tensor_indices: list,
+        bucket: object = None,
+        grad_scale: object = None,
+        stager: object = None,
+        nonfinite: NonfiniteCounters | None = None,
+    ) -> None:
         """Apply one AdamW step to ``params`` of ``group``, in place, bit for bit as :mod:`apexw_hf.reference`.
 
         Args:
@@ -57,45 +99,62 @@ class Engine(Protocol):
             grads: their gradients, in the same order (the caller has read ``p.grad`` already; the engine does not
                 read ``.grad``). Dense, shaped like their parameter. The torch engine checks only these two; the
                 Triton engine also needs fp32, bf16 or fp16 gradients, contiguous, on the parameter's device.
+            states: the state dicts of ``params``, in the same order, created by the caller (in the group's format:
+                :func:`apexw_hf.formats.init_state`, or host copies with ``stager``); the engine updates their tensors
+                in place. The torch engine reads them at every call (and notices replaced step counters and moments
+                by identity); the Triton engine only when it (re)builds a launch plan: it keeps the plan's state
+                addresses until :meth:`invalidate`, so its per-step host time does not grow with the list.
+            tensor_indices: the parameters' indices for the random streams (ints, in the same order; ``ApexW``
+                numbers the parameters of its param groups in order). Two parameters with the same index and the
+                same shape get the same random bits; the non-finite counts go to these indices. Read when a plan is
+                built, like ``states``.
             bucket: a hashable name of this subset of the group: ``None`` for :meth:`ApexW.step`, the bucket's key for
                 gradient release, which steps a group bucket by bucket. Each ``(group, bucket)`` keeps its own cached
                 plan (chunk plan, launch plan), so a call covers exactly its tensors.
-
-        Keyword arguments of the Triton engine only (``TritonEngine.step_group``; ``TorchEngine.step_group`` does not
-        accept them, and ``ApexW`` passes them to the Triton engine alone):
-
-        - ``before_launch(plans)``: called once the launch plans hold this step's gradient addresses, before the
-          launches; returns None or a 1-element fp32 tensor that the kernel multiplies each gradient by first
-          (gradient release computes its bucket's norm there and returns the clip coefficient; on the torch engine
-          gradient release scales the gradients itself before the call).
-        - ``stager(plan, params, index)``: state offload; the state lives on the host and is staged on the device per
-          launch (state offload needs the Triton engine).
+            grad_scale: ``None``; a 1-element fp32 tensor ``c``: every gradient ``g`` is used as
+                ``g * c.to(g.dtype)`` (the product rounded to the gradient's dtype, as ``g.mul_(c.to(g.dtype))``
+                computes it); or a callable that returns such a tensor or None, called exactly once per call (when
+                ``params`` is not empty), after the checks, before any parameter is updated, with the Triton
+                engine's launch plans once they hold this step's gradient addresses (gradient release reads its
+                bucket's norm through their address tables) and with ``None`` on the torch engine. A callable lets
+                the caller compute the factor from the gradients where the engine has them in hand, without knowing
+                which engine runs. The Triton kernel multiplies each gradient as it loads it (no pass of its own, the
+                gradients unchanged); the torch engine, which has no such load, multiplies ``grads`` in place (a
+                copy would hold a second set of gradients). A non-finite factor makes every block non-finite: nothing
+                is updated, and every block is counted.
+            stager: state offload: the state lives in host memory and is staged on the device per launch;
+                ``stager(plan, params, index)`` of each launch plan (its params in plan order, its index in the
+                bucket) yields ``(programs, state table)`` (``TritonEngine.step_group``). Only the Triton engine can
+                stage; the torch engine raises ValueError for one.
+            nonfinite: the counters of skipped non-finite blocks (:class:`NonfiniteCounters`), or None: then they are
+                not counted anywhere the caller can read (the Triton kernel counts into a buffer of its plan).
 
         Effects, for each parameter ``p`` in ``params`` and nothing else:
 
-        - ``state = optimizer.state[p]`` is created if missing (``optimizer._init_state``), and ``state["step"]``
-          goes up by exactly 1 (a parameter of the group not in ``params`` keeps its count, its parameter and its
-          state; params of one call may be at different counts). ``state["step"]`` stays a 0-dim fp32 CPU tensor,
-          but both engines replace it by a view into one buffer per cached plan, so that one add moves them all;
-          the torch engine may also replace the moments of small tensors by views of a packed buffer (same values).
+        - ``state["step"]`` goes up by exactly 1 (a parameter of the group not in ``params`` keeps its count, its
+          parameter and its state; params of one call may be at different counts). ``state["step"]`` stays a 0-dim
+          fp32 CPU tensor, but both engines replace it by a view into one buffer per cached plan, so that one add
+          moves them all; the torch engine may also replace the moments of small tensors by views of a packed buffer
+          (same values).
         - ``p``, the moments and their scales are updated in place: the result is bit-identical to
           ``reference.adamw_step_ref_(p, g, state, fmt=group["state_format"], scalars=StepScalars.make(step=t,
-          **step_hparams(group)), seed=group["seed"], tensor_index=optimizer._tensor_index(p), step=t,
-          maximize=group["maximize"], param_rounding=group["param_rounding"])`` with ``t`` the new step count, except
-          for the sign and payload bits of NaNs (IEEE leaves them to the hardware).
+          **step_hparams(group)), seed=group["seed"], tensor_index=i, step=t, maximize=group["maximize"],
+          param_rounding=group["param_rounding"])`` with ``t`` the new step count, ``i`` the tensor index given and
+          ``g`` the gradient times ``grad_scale`` as above, except for the sign and payload bits of NaNs (IEEE leaves
+          them to the hardware).
         - Non-finite gradients (:func:`apexw_hf.reference.nonfinite_blocks`): every 256-element block of the
           flattened gradient that holds a NaN or an infinity keeps its parameter elements, moments and scales; the
-          rest of the tensor is updated and the step counter still moves. The skipped blocks are added to
-          ``optimizer._nonfinite`` (which :attr:`ApexW.nonfinite_skipped` reads); on the Triton engine a
-          non-finite ``before_launch`` coefficient skips every block.
+          rest of the tensor is updated and the step counter still moves. The skipped blocks are counted in
+          ``nonfinite`` (which :attr:`ApexW.nonfinite_skipped` reads).
 
-        Raises (before any parameter, state tensor or step counter changes, and before any state is created):
+        Raises (before any parameter, state tensor or step counter changes; :meth:`check` raises the same before any
+        state is created):
             RuntimeError: a sparse gradient ("ApexW does not support sparse gradients"), both engines. The Triton
                 engine also raises it for parameters it cannot run on (CPU parameters without the Triton
                 interpreter, CUDA parameters under it).
             ValueError: a gradient whose shape is not its parameter's, both engines; the Triton engine also for a
                 gradient on another device or not contiguous. A tensor hyperparameter of more than one element
-                (``step_hparams``).
+                (``step_hparams``). A ``stager`` on the torch engine.
             TypeError: a hyperparameter that is not a number (``step_hparams``); the Triton engine also for a
                 gradient dtype other than fp32, bf16 or fp16.
         """
@@ -105,10 +164,11 @@ class Engine(Protocol):
         with their state addresses (the Triton engine), all keyed by ``(id(group), bucket)``.
 
         To be called whenever state tensors are replaced rather than updated in place: ``ApexW.load_state_dict``
-        does, after the new state is in place. The next ``step_group`` rebuilds its plans from ``optimizer.state``,
-        and keeps the step counts it finds there: the next step is the one an unbroken run would take. Without it the
-        Triton engine would keep stepping the old tensors' memory; the torch engine notices replaced step counters,
-        moments and parameter memory by identity and rebuilds its plan anyway, so there it only frees the old plans.
+        does, after the new state is in place. The next ``step_group`` rebuilds its plans from the ``states`` it is
+        given, and keeps the step counts it finds there: the next step is the one an unbroken run would take. Without
+        it the Triton engine would keep stepping the old tensors' memory; the torch engine notices replaced step
+        counters, moments and parameter memory by identity and rebuilds its plan anyway, so there it only frees the
+        old plans.
         """
 
 
@@ -129,7 +189,7 @@ def triton_engine(optimizer) -> Engine:
     if optimizer._engine is None:
         from .triton import TritonEngine
 
-        optimizer._engine = TritonEngine(optimizer)
+        optimizer._engine = TritonEngine()
     return optimizer._engine
 
 
@@ -138,7 +198,7 @@ def torch_engine(optimizer) -> Engine:
     if optimizer._cpu_engine is None:
         from .torch import TorchEngine
 
-        optimizer._cpu_engine = TorchEngine(optimizer)
+        optimizer._cpu_engine = TorchEngine()
     return optimizer._cpu_engine
 
 
@@ -201,4 +261,4 @@ def _triton_available() -> bool:
     return _TRITON_OK
 
 
-__all__ = ["Engine", "engine_for", "engines_of", "torch_engine", "triton_engine", "uses_triton"]
+__all__ = ["Engine", "NonfiniteCounters", "engine_for", "engines_of", "torch_engine", "triton_engine", "uses_triton"]

@@ -20,9 +20,10 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   times the scale;
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
-  propagates as ``torch.amax``'s does), rounded up to bf16 (4-bit ``v``: kept exact in fp32, a NaN canonical);
-* the random word ``mix32(index * GOLDEN + key)``, its bits 10-15 rounding ``m``, 0-9 ``v`` (4-bit: 0-5 ``m``, 6-21
-  ``v``) and 16-31 a bf16 parameter (``reference.param_stream``);
+  propagates as ``torch.amax``'s does), rounded up to bf16 for ``m``; ``v``'s scale in fp32 (8-bit: the envelope of
+  ``reference.v8_scale``; 4-bit: the exact absmax), a NaN canonical;
+* the random word ``mix32(index * GOLDEN + key)``, its bits 0-5 rounding ``m``, 6-21 ``v`` and 16-31 a bf16
+  parameter (``reference.param_stream``);
 * the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
 
 A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
@@ -89,7 +90,7 @@ u64 = np.uint64
 f32 = np.float32
 BLOCK8, BLOCK4 = u64(ref.BLOCK), u64(ref.BLOCK4)
 GOLDEN, MIX1, MIX2 = u32(rnd.GOLDEN), u32(rnd.MIX1), u32(rnd.MIX2)
-S16, S13, S10, S9, S14 = u32(16), u32(13), u32(10), u32(9), u32(14)
+S16, S13, S14 = u32(16), u32(13), u32(14)
 LOW16, RNE_BIAS = u32(0xFFFF), u32(0x7FFF)
 ABS = u32(0x7FFFFFFF)
 INF_BITS = u32(0x7F800000)
@@ -99,13 +100,18 @@ F_ONE, F_ZERO = f32(1.0), f32(0.0)
 F_INF, BF16_EXP = f32(np.inf), u32(0x7F80)
 MIN_NORMAL = f32(ref.MIN_NORMAL)
 EXP23 = u32(1 << 23)
-M_HALF, V_HALF = u32(1 << 13), u32(1 << 8)
-M_RMASK, V_RMASK = u32(63), u32(1023)
-M_SHIFT, V_SHIFT = u32(20), u32(19)
-# a code plus M_OFF (V_OFF), shifted, is the fp32 bits of a normal code's value; encoding subtracts it again
-M_OFF, V_OFF = u32(112 << 3), u32(112 << 4)
-M_SUB, V_SUB = u32(113 << 3), u32(113 << 4)  # ... a subnormal code's value plus 2**-14
-M_SUBMAX, V_SUBMAX = u32(8), u32(16)
+# 8-bit (format version 3): m's random bits are the word's bits 0-5 (to 14-19, half a unit at 13), v's 16 are its
+# bits 6-21 (to 4-19: the word shifted right by two and masked, half a unit at 3)
+M_HALF, V_HALF = u32(1 << 13), u32(1 << 3)
+M_RMASK, V8_RMASK = u32(63), u32(0xFFFF << 4)
+M_SHIFT, V_SHIFT, S2 = u32(20), u32(20), u32(2)
+# a code plus M_OFF (V_OFF), shifted, is the fp32 bits of a normal code's value; encoding subtracts it again (v: e5m3
+# with bias 31)
+M_OFF, V_OFF = u32(112 << 3), u32((127 - ref.V8_BIAS) << 3)
+M_SUB, V_SUB = u32(113 << 3), u32((128 - ref.V8_BIAS) << 3)  # ... a subnormal code's value plus the least normal
+M_SUBMAX, V_SUBMAX = u32(8), u32(8)
+MIN_NORMAL_V8 = f32(2.0 ** (1 - ref.V8_BIAS))
+F_HEADROOM = f32(ref.V8_HEADROOM)
 SIGN7, MAG7 = u32(128), u32(127)
 # 4-bit: no mantissa bits; a code c >= 1 has the fp32 exponent field c + M4_OFF (m, bias 7) or c + V4_OFF (v, bias 15)
 S4, S17, S23 = u32(4), u32(17), u32(23)
@@ -301,7 +307,7 @@ def step_8bit(
             if bad:
                 continue
             sm = bits_f32(u32(m_scale[b]) << S16)
-            sv = bits_f32(u32(v_scale[b]) << S16)
+            sv = bits_f32(v_scale[b])
             for j in range(BLOCK8):
                 # decode: the code's value on the fp32 bits (subnormal codes: plus 2**-14, then minus it), times scale
                 cm = u32(m_codes[base + j])
@@ -312,7 +318,7 @@ def step_8bit(
                 m = (-a if cm >= SIGN7 else a) * sm
                 cv = u32(v_codes[base + j])
                 av = bits_f32(u32((cv + V_OFF) << V_SHIFT))
-                av_sub = bits_f32(u32((cv + V_SUB) << V_SHIFT)) - MIN_NORMAL
+                av_sub = bits_f32(u32((cv + V_SUB) << V_SHIFT)) - MIN_NORMAL_V8
                 v = (av if cv >= V_SUBMAX else av_sub) * sv
                 m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
                 pbuf[j] = p
@@ -320,22 +326,26 @@ def step_8bit(
                 vbuf[j] = v
             key = seg_key[blk_seg[b]]
             amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK8, key, p_mode)
-            s16m, s16v = round_up_bf16(amax_m), round_up_bf16(amax_v)
+            s16m = round_up_bf16(amax_m)
+            # v: reference.v8_scale, the envelope (the previous scale times beta2 unless the absmax outgrows it)
+            env = sv * beta2
+            av = bits_f32(amax_v)
+            s32v = F32_NAN_BITS if amax_v > INF_BITS else f32_bits(env if av <= env else av * F_HEADROOM)
             m_scale[b] = s16m
-            v_scale[b] = s16v
+            v_scale[b] = s32v
             inv_m = inverse(s16m)
-            inv_v = inverse(s16v)
+            inv_v = inverse_f32(s32v)
             for j in range(BLOCK8):
                 w = wbuf[j]
                 m = mbuf[j]
                 x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL)
-                r = (((w >> S10) & M_RMASK) << S14) | M_HALF
+                r = ((w & M_RMASK) << S14) | M_HALF
                 c = u32(u32(x + r) >> M_SHIFT) - M_OFF
                 c = c | SIGN7 if m < F_ZERO else c
                 m_codes[base + j] = np.uint8(c)
                 v = vbuf[j]
-                x = code_bits(normalized(v, inv_v), MIN_NORMAL)
-                r = ((w & V_RMASK) << S9) | V_HALF
+                x = code_bits(normalized(v, inv_v), MIN_NORMAL_V8)
+                r = ((w >> S2) & V8_RMASK) | V_HALF
                 c = u32(u32(x + r) >> V_SHIFT) - V_OFF
                 c = ONE_BITS if (c == u32(0)) and (v > F_ZERO) else c
                 v_codes[base + j] = np.uint8(c)
@@ -495,8 +505,7 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
             torch._foreach_copy_(*io["moments_in"])
         codes = [_np(io["mom"])] if four else [_np(io["mom_m"]), _np(io["mom_v"])]
         ms, vs = _np(io["scl_m"]), _np(io["scl_v"])
-    if four:
-        vs = vs.view(np.uint32)  # the fp32 v scales (format version 2) as their bits
+    vs = vs.view(np.uint32)  # the fp32 v scales (8-bit version 3, 4-bit version 2) as their bits
     if g.dtype == torch.float32:
         g32, g16 = _np(g), _EMPTY_U16
     elif g.dtype == torch.bfloat16:

@@ -24,7 +24,7 @@ for a CPU:
 * Every operation writes into preallocated scratch or in place, and scalar operands are 0-dim tensors made once (a
   Python number costs a conversion per call). No fused multiply-add touches the update: ``addcmul`` and
   ``add(alpha=)`` are fused in torch's CPU kernels, so the update is plain ``mul``/``add``/``div`` in the reference's
-  order. The two moments sit side by side in one buffer, so ``m * beta1`` and ``v * beta2`` (and most 8-bit work) are
+  order. The two moments sit side by side in one buffer, so ``m * beta1`` and ``v * beta2`` (and most 4-bit work) are
   one operation each, with a column of per-moment constants.
 * Random words: the reference's hash of (seed, tensor index, step, stream, element index) in int32 arithmetic with
   wrapping multiplies and masked shifts (exact mod 2**32), one word per element for the moments (and, for bf16
@@ -32,15 +32,16 @@ for a CPU:
   :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
-* 8-bit state (format version 2) is decoded through fp16, whose bias and subnormals the minifloat codes share, and
-  encoded by integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both).
-  4-bit state is the same without mantissa bits: both codes of a byte decoded through fp16 at once, and encoded into
-  the one byte by the same integer work.
-* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 8-bit and 4-bit
-  encodings) do not handle NaN; where a chunk's moments hold a NaN (or, for 8-bit and 4-bit, an infinity) the
-  reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
-  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 8-bit and 4-bit chunks
-  with a block scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
+* 4-bit state is decoded through fp16, whose bias and subnormals its codes share, and encoded into the one byte by
+  integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both). 8-bit state
+  (format version 3) is decoded and encoded by the reference's own functions over the chunk's whole blocks (its
+  blocks and random words are the reference's per tensor): exact, but several times slower than passes of its own
+  would be, which it does not have yet; the numba path (the CPU default) and the Triton kernels have theirs.
+* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 4-bit encoding) do not
+  handle NaN; where a chunk's moments hold a NaN (or, for 4-bit, an infinity) the reference's own functions encode
+  that chunk, and a bf16 parameter chunk with a NaN goes through
+  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 4-bit chunks with a block
+  scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
 * Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose gradient holds a NaN or an
   infinity keeps its parameter, moments and scales): one sum of the gathered gradient, in cache, tells whether a chunk
@@ -56,10 +57,11 @@ not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_
 Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
-Interface with the optimizer (as :class:`~apexw_hf.engines.triton.TritonEngine`)::
+Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`, as :class:`~apexw_hf.engines.triton.TritonEngine`)::
 
-    engine = TorchEngine(optimizer)
-    engine.step_group(group, params, grads)   # params with a gradient, in group order; grads their .grad
+    engine = TorchEngine()
+    engine.check(group, params, grads)        # before the caller creates missing state
+    engine.step_group(group, params, grads, states, tensor_indices, grad_scale=None, nonfinite=None)
     engine.invalidate()                       # after load_state_dict
 """
 
@@ -82,9 +84,7 @@ from .torch_passes import (
     bf16_stochastic,
     block_scales,
     decode_4bit,
-    decode_8bit,
     encode_4bit,
-    encode_8bit,
     full_bits,
     hash_into,
     sign_and_abs,
@@ -182,8 +182,9 @@ def _plan_chunks(numels: list[int], block: int | None) -> list[_Chunk]:
 class _Layout:
     """Chunks of the members of one param group that share a parameter dtype and a step count."""
 
-    def __init__(self, opt, group, members, states, scratch: Scratch):
+    def __init__(self, group, members, states, indices: list[int], scratch: Scratch):
         self.members = members
+        self.indices = indices  # tensor indices of the members (the random streams, the non-finite counters)
         self.fmt = group["state_format"]
         self.block = SCALE_BLOCKS.get(self.fmt)  # None for unquantized moments
         self.dtype = members[0].dtype
@@ -192,7 +193,7 @@ class _Layout:
         for i, (p, s) in enumerate(zip(members, self.local_states)):
             tensors = [dt.local(p)] + [s[k] for k in STATE_KEYS if k in s]
             (self.fast if all(t.is_contiguous() for t in tensors) else self.slow).append(i)
-        self.tindex = [opt._tensor_index(members[i]) for i in self.fast]  # by slot
+        self.tindex = [indices[i] for i in self.fast]  # by slot
         self.tkeys = [rnd.tensor_key(group["seed"], i) for i in self.tindex]
         self.tkeys_np = np.array(self.tkeys, dtype=np.uint64)
         self.locals = [dt.local(members[i]) for i in self.fast]
@@ -333,7 +334,7 @@ class _GroupPlan:
     0-dim fp32 tensor for ``state_dict``), so one in-place add increments them all while the same params step.
     """
 
-    def __init__(self, opt, group, params, states, steps, scratch):
+    def __init__(self, group, params, states, indices, steps, scratch):
         self.fmt, self.seed = group["state_format"], group["seed"]
         self.steps = torch.tensor(steps, dtype=torch.float32)
         self.step_views = list(self.steps.unbind())
@@ -343,7 +344,10 @@ class _GroupPlan:
         for i, (p, t) in enumerate(zip(params, steps)):
             by_kind.setdefault((p.dtype, t - steps[0]), []).append(i)
         self.layouts = [
-            (_Layout(opt, group, [params[i] for i in idx], [states[i] for i in idx], scratch), idx)
+            (
+                _Layout(group, [params[i] for i in idx], [states[i] for i in idx], [indices[i] for i in idx], scratch),
+                idx,
+            )
             for idx in by_kind.values()
         ]
         # after the layouts, which may move state (_flatten); a state tensor replaced since makes a new plan
@@ -366,8 +370,7 @@ class TorchEngine:
     # installed (numba_engine); False (per engine or on the class) keeps every chunk on the torch passes.
     use_numba = True
 
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
+    def __init__(self):
         # Keyed by (id(group), bucket): bucket None for step(), one plan per bucket of gradient release. A plan whose
         # step counters were replaced by another's fails the identity check below and is rebuilt.
         self._layouts: dict[tuple[int, object], _GroupPlan] = {}
@@ -384,27 +387,49 @@ class TorchEngine:
             sc = self._scratch[device] = Scratch(device, CHUNK)
         return sc
 
-    def step_group(
-        self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor], bucket: object = None
-    ) -> None:
-        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update.
+    def check(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """The errors of :meth:`step_group` that ``group``, ``params`` and ``grads`` decide (the ``Engine`` contract):
+        a hyperparameter :func:`~apexw_hf.hparams.step_hparams` refuses, a sparse gradient, a gradient of another
+        shape than its parameter's. Changes nothing."""
+        if params:
+            step_hparams(group)
+            _check_grads(params, grads)
 
-        ``grads``: their ``.grad`` tensors, in the same order. ``bucket``: a hashable name of this subset of the group
-        (gradient release steps a group bucket by bucket), which keeps its own chunk plan.
+    def step_group(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
+        bucket: object = None,
+        grad_scale=None,
+        stager=None,
+        nonfinite=None,
+    ) -> None:
+        """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update (the
+        ``Engine`` contract of :mod:`apexw_hf.engines` says what each argument means).
+
+        ``states`` are read at every call: a plan whose step counters, moments or parameter memory are not those it
+        was built on is rebuilt. ``grad_scale`` (a tensor, or a callable called with ``None`` once the checks have
+        passed) multiplies ``grads`` in place, one fused multiply per gradient dtype, before the update: the chunks'
+        passes and the numba loop then read gradients as they would any other, and no second copy of the gradients
+        is held. ``stager`` (state offload) raises ValueError: the state is stepped where it lies. ``nonfinite``
+        receives the blocks skipped for non-finite gradients (``add``), counted on the host.
         """
         if not params:
             return
-        opt = self.optimizer
+        if stager is not None:
+            raise ValueError(
+                "state offload streams the state through the Triton kernels; the plain-PyTorch engine steps the state "
+                "where it lies (use engine='triton' on a GPU, or turn state_offload off)"
+            )
         hp = step_hparams(group)  # before any step counter moves: a bad value then changes nothing
-        for p, g in zip(params, grads):
-            if g.is_sparse:
-                raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
-            if g.shape != p.shape:
-                raise ValueError(
-                    f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
-                    "have their parameter's shape"
-                )
-        states = [opt._init_state(p, group) for p in params]
+        _check_grads(params, grads)
+        if callable(grad_scale):
+            grad_scale = grad_scale(None)
+        if grad_scale is not None:
+            _scale_grads_(grads, grad_scale)
         step_tensors = [s["step"] for s in states]
         cached = self._layouts.get((id(group), bucket))
         if (
@@ -424,11 +449,13 @@ class TorchEngine:
             for t in step_tensors:
                 t.add_(1.0)
             steps = [int(t.item()) for t in step_tensors]
-            cached = _GroupPlan(opt, group, params, states, steps, self._scratch_for(dt.local(params[0]).device))
+            cached = _GroupPlan(
+                group, params, states, tensor_indices, steps, self._scratch_for(dt.local(params[0]).device)
+            )
             self._layouts[(id(group), bucket)] = cached
         for layout, idx in cached.layouts:
             t = steps[idx[0]]
-            self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp))
+            self._step_layout(group, layout, [grads[i] for i in idx], t, ref.StepScalars.make(step=t, **hp), nonfinite)
 
     def _fused(self, layout: _Layout):
         """The numba module when this layout runs on it: 8-bit or 4-bit state, fp32 or bf16 parameters, CPU."""
@@ -438,29 +465,28 @@ class TorchEngine:
             return None
         return numba_engine()
 
-    def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars) -> None:
+    def _step_layout(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars, nonfinite=None) -> None:
         maximize = group["maximize"]
         rounding = group["param_rounding"]
         skipped: dict[int, int] = {}  # tensor index -> blocks left un-updated (non-finite gradients)
         for i in layout.slow:
             p = layout.members[i]
-            skipped[self.optimizer._tensor_index(p)] = ref.adamw_step_ref_(
+            skipped[layout.indices[i]] = ref.adamw_step_ref_(
                 dt.local(p),
                 dt.local(grads[i]),
                 layout.local_states[i],
                 fmt=layout.fmt,
                 scalars=s,
                 seed=group["seed"],
-                tensor_index=self.optimizer._tensor_index(p),
+                tensor_index=layout.indices[i],
                 step=t,
                 maximize=maximize,
                 param_rounding=rounding,
             )
         if layout.fast:
             self._step_fast(group, layout, grads, t, s, skipped)
-        guard = getattr(self.optimizer, "_nonfinite", None)
-        if guard is not None and any(skipped.values()):
-            guard.add(layout.locals[0].device if layout.fast else dt.local(layout.members[0]).device, skipped)
+        if nonfinite is not None and any(skipped.values()):
+            nonfinite.add(layout.locals[0].device if layout.fast else dt.local(layout.members[0]).device, skipped)
 
     def _step_fast(self, group, layout: _Layout, grads, t: int, s: ref.StepScalars, skipped: dict) -> None:
         """The chunks of ``layout`` (its contiguous tensors); the blocks skipped for non-finite gradients are added to
@@ -505,6 +531,31 @@ class TorchEngine:
         for ch in layout.chunks:
             for slot, n in _step_chunk(layout, ch, sc, grads, k, keys_mv, keys_p, maximize, stochastic_p):
                 skipped[layout.tindex[slot]] = skipped.get(layout.tindex[slot], 0) + n
+
+
+def _check_grads(params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    for p, g in zip(params, grads):
+        if g.is_sparse:
+            raise RuntimeError("ApexW does not support sparse gradients; use torch.optim.SparseAdam")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"a gradient of shape {tuple(g.shape)} for a parameter of shape {tuple(p.shape)}; gradients must "
+                "have their parameter's shape"
+            )
+
+
+def _scale_grads_(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """``g.mul_(grad_scale.to(g.dtype))`` for every gradient (the local shard of a DTensor), one fused multiply per
+    device and dtype: the bits the Triton kernel's gradient load computes for its ``grad_scale``."""
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        g = dt.local(g)
+        by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, dtype), same in by_kind.items():
+        # a 0-dim factor in the gradients' dtype (CUDA's fused path wants it so); the copy to the device is ordered on
+        # its stream, not waited for
+        factor = grad_scale.reshape(()).to(device=device, dtype=dtype, non_blocking=device.type != "cpu")
+        torch._foreach_mul_(same, factor)
 
 
 def _mix32_np(x: np.ndarray) -> np.ndarray:
@@ -563,66 +614,89 @@ def _restore_blocks(kept: list) -> list[tuple[int, int]]:
     return [(slot, count) for slot, count, _ in kept]
 
 
+class _Operands:
+    """A chunk's operands after the gather: the gradient ``G`` and parameter ``P`` (fp32), the moments ``M`` and ``V``
+    (fp32; ``MV`` both side by side, or None), and where the stored state is (``m_state``, ``v_state``, ``m_scale``,
+    ``v_scale``; ``scales2``: both moments' scales side by side, where they are)."""
+
+    __slots__ = ("G", "P", "M", "V", "MV", "m_state", "v_state", "m_scale", "v_scale", "scales2")
+
+    def __init__(self, b):
+        self.G, self.M, self.V, self.P, self.MV = b.g, b.m, b.v, b.p, b.mv
+        self.m_state = self.v_state = self.m_scale = self.v_scale = self.scales2 = None
+
+
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter. Returns
     ``(slot, blocks)`` of the pieces whose blocks with a non-finite gradient were left as they were (usually none:
     one sum of the gathered gradient, in cache, tells whether any element is not finite)."""
-    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
-    fmt, dtype, io, c = layout.fmt, layout.dtype, ch.io, sc.c
-    n = ch.length
-    b = sc.upto(n, layout.block or ref.BLOCK)
-    G, M, V, A, P = b.g, b.m, b.v, b.a, b.p
-    MV = b.mv  # m and v side by side (2n), or None
-    codes2 = scales2 = None  # both moments' 8-bit codes (scales) side by side, where they are
+    b = sc.upto(ch.length, layout.block or ref.BLOCK)
+    o = _gather(layout, ch, b, grads)
+    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
+    kept = None if math.isfinite(float(o.G.sum())) else _kept_blocks(layout, ch, grads)
+    if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
+        b.m.copy_(ref.dequantize_m(o.m_state, o.m_scale).reshape(-1))
+        b.v.copy_(ref.dequantize_v(o.v_state, o.v_scale).reshape(-1))
+    elif layout.fmt == "4bit":
+        decode_4bit(b, sc.c, o.m_state, o.m_scale, o.v_scale, o.scales2)  # m_state: both moments' codes
+    moments_nan = _update(layout, ch, b, o, k, maximize)
+    _round_and_encode(layout, ch, sc.c, b, o, k, keys_mv, keys_p, stochastic_p, moments_nan)
+    return _restore_blocks(kept) if kept else ()
+
+
+def _gather(layout: _Layout, ch: _Chunk, b, grads) -> _Operands:
+    """The chunk's gradient, parameter and stored state into the scratch ``b`` (or views of them, for a chunk of one
+    contiguous piece: ``ch.direct``)."""
+    fmt, dtype, io, n = layout.fmt, layout.dtype, ch.io, ch.length
     four = fmt == "4bit"
-    # ---- gather ---------------------------------------------------------------------------------------------
+    o = _Operands(b)
     if ch.direct:
         slot, a, _, _, _ = ch.segs[0]
         g = grads[slot].reshape(-1)[a : a + n]
         if g.dtype == torch.float32:
-            G = g  # maximize negates (1 - beta1) instead: (-g) * c == g * (-c) and (-g) * (-g) == g * g, bit for bit
+            o.G = g  # maximize negates (1 - beta1) instead: (-g) * c == g * (-c) and (-g) * (-g) == g * g, bit for bit
         else:
-            G.copy_(g)
+            o.G.copy_(g)
         if dtype == torch.float32:
-            P = io["p"]
+            o.P = io["p"]
         else:
-            P.copy_(io["p"])
-        m_state, v_state = (io[MV4_KEY], None) if four else (io["exp_avg"], io["exp_avg_sq"])
+            o.P.copy_(io["p"])
+        o.m_state, o.v_state = (io[MV4_KEY], None) if four else (io["exp_avg"], io["exp_avg_sq"])
         if fmt == "fp32":
-            M, V, MV = m_state, v_state, None
+            o.M, o.V, o.MV = o.m_state, o.v_state, None
         elif fmt == "compact":
-            M.copy_(m_state)
-            V.copy_(v_state)
+            o.M.copy_(o.m_state)
+            o.V.copy_(o.v_state)
         else:
-            m_scale, v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+            o.m_scale, o.v_scale = io["exp_avg_scale"], io["exp_avg_sq_scale"]
+        return o
+    srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
+    torch._foreach_copy_(io["g_dst"], srcs)
+    for kind, dst, src in io["gather"]:
+        if kind == "cat":
+            torch.cat(src, out=dst)
+        else:
+            torch._foreach_copy_(dst, src)
+    if io["pads_in"]:
+        torch._foreach_zero_(io["pads_in"])
+    if io["moments_in"][0]:
+        torch._foreach_copy_(*io["moments_in"])
+    o.m_state, o.v_state = (io["mom"], None) if four else (io["mom_m"], io["mom_v"])
+    if fmt == "fp32":
+        o.M, o.V, o.MV = o.m_state, o.v_state, io["mom"]
+    elif fmt == "compact":
+        b.mv.copy_(io["mom"])
     else:
-        srcs = [grads[seg[0]] if seg[4] else grads[seg[0]].reshape(-1)[seg[1] : seg[1] + seg[2]] for seg in ch.segs]
-        torch._foreach_copy_(io["g_dst"], srcs)
-        for kind, dst, src in io["gather"]:
-            if kind == "cat":
-                torch.cat(src, out=dst)
-            else:
-                torch._foreach_copy_(dst, src)
-        if io["pads_in"]:
-            torch._foreach_zero_(io["pads_in"])
-        if io["moments_in"][0]:
-            torch._foreach_copy_(*io["moments_in"])
-        m_state, v_state = (io["mom"], None) if four else (io["mom_m"], io["mom_v"])
-        if fmt == "fp32":
-            M, V, MV = m_state, v_state, io["mom"]
-        elif fmt == "compact":
-            b.mv.copy_(io["mom"])
-        else:
-            m_scale, v_scale, scales2 = io["scl_m"], io["scl_v"], io["scl"]
-            codes2 = None if four else io["mom"]
-    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
-    kept = None if math.isfinite(float(G.sum())) else _kept_blocks(layout, ch, grads)
-    if fmt == "8bit":
-        decode_8bit(b, c, m_state, v_state, m_scale, v_scale, scales2)  # into b.m and b.v
-    elif four:
-        decode_4bit(b, c, m_state, m_scale, v_scale, scales2)  # m_state: both moments' codes
+        o.m_scale, o.v_scale, o.scales2 = io["scl_m"], io["scl_v"], io["scl"]
+    return o
+
+
+def _update(layout: _Layout, ch: _Chunk, b, o: _Operands, k, maximize) -> bool:
+    """The reference's update of the moments and the fp32 parameter, in its operation order. Returns whether a
+    compact chunk's moments hold a NaN (m or v NaN, or inf / inf), which its bit-level encoding does not handle."""
+    beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay, neg_one_minus_beta1, betas = k
+    G, M, V, MV, P, A, n = o.G, o.M, o.V, o.MV, o.P, b.a, ch.length
     v_np = b.np["v"] if b.cpu and V is b.v else None
-    # ---- the update, in the reference's operation order -------------------------------------------------------
     g_coef = neg_one_minus_beta1 if maximize else one_minus_beta1
     if MV is not None:  # m * beta1 and v * beta2 in one operation, and the two sums in one
         MV.view(2, n).mul_(betas)
@@ -634,14 +708,21 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         torch.mul(G, G, out=A).mul_(one_minus_beta2)
         V.mul_(beta2).add_(A)
     if ch.pads:
-        torch._foreach_zero_(io["pads_mv"])  # the reference pads m and v with zeros
+        torch._foreach_zero_(ch.io["pads_mv"])  # the reference pads m and v with zeros
     sqrt_into(b, V, v_np, A, b.np["a"] if b.cpu else None)
     A.mul_(inv_bc2_sqrt).add_(eps)
     torch.div(M, A, out=A)
-    moments_nan = fmt == "compact" and math.isnan(float(A.sum()))  # m or v has a NaN (or inf / inf)
+    moments_nan = layout.fmt == "compact" and math.isnan(float(A.sum()))
     A.mul_(step_size)
     P.mul_(decay).sub_(A)
-    # ---- parameters -------------------------------------------------------------------------------------------
+    return moments_nan
+
+
+def _round_and_encode(layout: _Layout, ch: _Chunk, c, b, o: _Operands, k, keys_mv, keys_p, stochastic_p, moments_nan):
+    """Round the parameter to its dtype and encode the moments into their format (both with the reference's random
+    words), then scatter a gathered chunk back."""
+    fmt, dtype, io = layout.fmt, layout.dtype, ch.io
+    P, M, V, m_state, v_state, m_scale, v_scale = o.P, o.M, o.V, o.m_state, o.v_state, o.m_scale, o.v_scale
     p_out = None
     if dtype != torch.float32:
         p_out = io["p"] if ch.direct else b.typed("p_store", dtype)
@@ -651,10 +732,9 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
             hash_into(b, c, ch.segs, [keys_p[seg[0]] for seg in ch.segs], low=False)
             _round_param(P, dtype, b, c, p_out)
             p_out = None
-    # ---- moments ----------------------------------------------------------------------------------------------
     if fmt != "fp32":
-        # the whole word for compact, 4-bit (its v reads bits 6-21) and a bf16 parameter; else the low 16 bits
-        top = fmt in ("compact", "4bit") or p_out is not None
+        # the whole word for compact, 8-bit and 4-bit (their v reads bits 6-21) and a bf16 parameter
+        top = fmt in ("compact", "8bit", "4bit") or p_out is not None
         hash_into(b, c, ch.segs, [keys_mv[seg[0]] for seg in ch.segs], top=top)
     if p_out is not None and stochastic_p:  # bf16 with 8-bit or 4-bit state: the top 16 bits of the moments' word
         _round_param(P, dtype, b, c, p_out)
@@ -668,28 +748,23 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         else:
             bf16_stochastic(M, b.t, b.t, m_state, c)
             bf16_stochastic(V, b.z.bitwise_and_(c.low16), b.z, v_state, c)
-    elif fmt in SCALE_BLOCKS:
+    elif fmt == "8bit":  # format version 3: the reference's encoding over the chunk's whole blocks
+        bits = full_bits(b)
+        qm, qms = ref.quantize_m(M, bits)
+        qv, qvs = ref.quantize_v(V, bits, v_scale, float(k[2]))  # k[2]: beta2
+        for dst, x in ((m_state, qm), (m_scale, qms), (v_state, qv), (v_scale, qvs)):
+            dst.copy_(x.view(dst.shape))
+    elif fmt == "4bit":
         sign_and_abs(b, c)
-        path = block_scales(b, c, m_scale, v_scale, scales2, four_bit=four)
+        path = block_scales(b, c, m_scale, v_scale)
         if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
-            bits = full_bits(b)
             m = torch.where(b.a > 0, -M, M)
-            if four:
-                for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, bits)):
-                    dst.copy_(x)
-            else:
-                todo = ((m, m_state, m_scale, ref.quantize_m), (V, v_state, v_scale, ref.quantize_v))
-                for x, codes, scale, quantize in todo:
-                    qc, qs = quantize(x, bits)
-                    codes.copy_(qc)
-                    scale.copy_(qs)
-        elif four:
-            encode_4bit(b, c, m_state, path == "exact")
+            for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, full_bits(b))):
+                dst.copy_(x)
         else:
-            encode_8bit(b, c, m_state, v_state, path == "exact", codes2)
+            encode_4bit(b, c, m_state, path == "exact")
     if not ch.direct and io["moments_out"][0]:
         torch._foreach_copy_(*io["moments_out"])
-    return _restore_blocks(kept) if kept else ()
 
 
 def _round_param(P, dtype, b, c, p_out) -> None:

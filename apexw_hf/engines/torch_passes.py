@@ -1,8 +1,9 @@
 """Elementwise passes of the plain-PyTorch engine (:mod:`apexw_hf.engines.torch`) over one chunk.
 
 Each function is one piece of ``reference.adamw_step_ref_`` rewritten as in-place or ``out=`` passes over
-preallocated scratch, with the same bits: the random words, stochastic rounding to bf16, and the 8-bit minifloat codes
-(format version 2). Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
+preallocated scratch, with the same bits: the random words, stochastic rounding to bf16, and the 4-bit codes (format
+version 2; 8-bit state of format version 3 is coded by the reference's own functions, :mod:`apexw_hf.engines.torch`).
+Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
 and for integer ops it also takes a slower, unvectorized path. No fused multiply-add anywhere: ``addcmul`` and
 ``add(alpha=)`` on floats are fused in torch's CPU kernels, so only plain ``mul``/``add``/``div`` touch fp32 values.
 No arithmetic or shift writes an ``out=`` tensor of another dtype than its operands either (the comparisons written
@@ -14,30 +15,27 @@ GPU. The top 16 bits of int32 words are instead shifted down in int32 and copied
 low 16 bits on every device; :func:`bf16_stochastic`), or, for the few block scales, copied from a strided int16
 view of the words (:func:`high_halves`; a strided copy is about twice as slow as the shift and the copy together).
 
-8-bit encoding (``reference.minifloat_code``) without a select. The reference codes the fp32 bits of ``y`` for
-``y >= 2**-14`` and those of ``fl(y + 2**-14)`` with the exponent lowered by one below, that is the bits of
-``fl(y + 2**-14) / 2``. For non-negative ``y`` that second value is larger than ``y`` exactly when ``y < 2**-14``, so
-the coded value is ``w = max(y, fl(y + 2**-14) / 2)``. Scaled by ``2**k`` (exact), ``w * 2**k = max(y * 2**k,
-fl(y * 2**(k-1) + 2**(k-15)))``, and the power of two is folded into the per-block factor that normalizes by the
+Encoding (``reference.minifloat_code``) without a select. The reference codes the fp32 bits of ``y`` for ``y`` at
+or above the least normal code value ``n`` and those of ``fl(y + n)`` with the exponent lowered by one below, that is
+the bits of ``fl(y + n) / 2``. For non-negative ``y`` that second value is larger than ``y`` exactly when ``y < n``,
+so the coded value is ``w = max(y, fl(y + n) / 2)``. Scaled by ``2**k`` (exact), ``w * 2**k = max(y * 2**k,
+fl(y * 2**(k-1) + n * 2**(k-1)))``, and the power of two is folded into the per-block factor that normalizes by the
 scale: ``y * 2**k = fl(|x| * (inv * 2**k))`` whenever that product is a normal number, and when it is not, ``y`` is
 so small that the other operand of the max wins with the same bits either way. ``k`` is chosen so that the exponent
 offset the reference subtracts is a multiple of 256 and vanishes when the int32 result is stored as uint8 (which keeps
-the low 8 bits): ``k = -16`` for ``m`` (offset ``(112 + k) * 8``), ``k = 0`` for ``v`` (``112 * 16``). This needs
-``inv * 2**k`` exact and ``y <= 1 + 2**-23`` without the reference's clamp: true when every nonzero block scale is in
-[2**-126, 2**100] (:data:`FAST_SCALE_MIN`, :data:`FAST_SCALE_MAX`); other chunks take the reference's clamp and NaN
-step first (:func:`encode_8bit`, ``exact=True``), and chunks with a NaN or an infinity go to the reference itself.
-``y * 2**(k-1)`` is taken as ``(y * 2**k) * 0.5``, exact wherever it matters (a normal number).
+the low 8 bits). This needs ``inv * 2**k`` exact and ``y <= 1 + 2**-23`` without the reference's clamp: true when
+every nonzero block scale is in [2**-126, 2**100] (:data:`FAST_SCALE_MIN`, :data:`FAST_SCALE_MAX`); other chunks take
+the reference's clamp and NaN step first (:func:`encode_4bit`, ``exact=True``), and chunks with a NaN or an infinity
+go to the reference itself. ``y * 2**(k-1)`` is taken as ``(y * 2**k) * 0.5``, exact wherever it matters (a normal
+number).
 
-The sign of ``m`` (bit 7 of its code: ``m < 0``, so not for ``-0``) comes from ``lt(m, 0)`` written as fp32 1.0/0.0:
-the int32 bits of 1.0 times 16 are ``-2**27`` mod ``2**32``, which adds 128 (mod 256) to the code once shifted.
-
-4-bit state (``reference.quantize_mv4``, format version 2: an exact fp32 ``v`` scale, 16 random bits for ``v``) is the
-same encoding without mantissa bits, with blocks of
+4-bit state (``reference.quantize_mv4``, format version 2: an exact fp32 ``v`` scale, 16 random bits for ``v``) is
+that encoding without mantissa bits, with blocks of
 :data:`~apexw_hf.reference.BLOCK4`: ``code = ((bits(w * 2**k) + offset) >> 23) - (127 - bias + k)`` per moment, with
 ``k = -8`` for ``m`` (bias 7) and ``k = -7`` for ``v`` (bias 15), so that the byte ``m code + 16 * v code`` has the
 offset ``112 + 16 * 105 = 7 * 256``, which vanishes in the uint8 store; the sign of ``m`` (bit 3) is the bits of 1.0
-times -8, which adds 8 (mod 256) once shifted. The fast range of scales is the 8-bit one (``inv * 2**k`` is exact
-there for both ``k``). Decoding goes through fp16 as for 8-bit: the ``v`` code is an fp16 exponent of bias 15 (code 0
+times -8, which adds 8 (mod 256) once shifted (``lt(m, 0)`` written as fp32 1.0/0.0). ``inv * 2**k`` is exact in
+the fast range for both ``k``. Decoding goes through fp16: the ``v`` code is an fp16 exponent of bias 15 (code 0
 the fp16 zero), and so is the ``m`` code, read as ``2**(c - 15)`` and multiplied by ``2**8 * scale`` (exact, as
 ``2**(c - 7) * scale`` in the reference) unless a block scale reaches ``2**120``, where ``2**8 * scale`` would overflow
 and the codes are scaled by ``2**8`` instead.
@@ -57,16 +55,6 @@ from .. import reference as ref
 _BLOCK = ref.BLOCK
 FAST_SCALE_MIN = 2.0**-126  # nonzero block absmax at least this ... (see the module docstring)
 FAST_SCALE_MAX = 2.0**100  # ... and at most this: the 8-bit encoding's fast path
-M_K, V_K = -16, 0  # the power of two folded into the normalized m and v (module docstring)
-M_SHIFT, V_SHIFT = 23 - ref.M_MANT, 23 - ref.V_MANT  # 20, 19
-# the random offsets of reference._rand_offset: ((word << up) & mask) + half
-M_RAND_UP = M_SHIFT - ref.M_RAND_BITS - ref.M_RAND_SHIFT  # 4: bits 10-15 to 14-19
-M_RAND_MASK = ((1 << ref.M_RAND_BITS) - 1) << (M_SHIFT - ref.M_RAND_BITS)
-M_RAND_HALF = 1 << (M_SHIFT - ref.M_RAND_BITS - 1)
-V_RAND_UP = V_SHIFT - ref.V_RAND_BITS - ref.V_RAND_SHIFT  # 9: bits 0-9 to 9-18
-V_RAND_MASK = ((1 << ref.V_RAND_BITS) - 1) << (V_SHIFT - ref.V_RAND_BITS)
-V_RAND_HALF = 1 << (V_SHIFT - ref.V_RAND_BITS - 1)
-assert M_RAND_UP == 4 and V_RAND_UP == 9 and ((112 + M_K) * 8) % 256 == 0 and ((112 + V_K) * 16) % 256 == 0
 # 4-bit: no mantissa bits, so the code is what the random offset carries into bit 23 (module docstring)
 M4_K, V4_K = -8, -7
 M4_OFFSET, V4_OFFSET = 127 - ref.M4_BIAS + M4_K, 127 - ref.BIAS + V4_K  # 112, 105: exponent field of code 0
@@ -101,16 +89,6 @@ class Consts:
         self.u8_one = torch.tensor(1, dtype=torch.uint8, device=device)
         self.i_one = i(1)
         self.key = i(0)  # a chunk's hash constant (hash_into): an int32 0-dim tensor, not a slower Python int
-        # 8-bit encoding, per moment: 2**k, 2**(k-15), the random offset (reference._rand_offset), the code shift
-        self.k_col = col([2.0**M_K, 2.0**V_K], torch.float32)
-        self.add_col = col([2.0 ** (M_K - 15), 2.0 ** (V_K - 15)], torch.float32)
-        self.up_col = col([M_RAND_UP, V_RAND_UP], torch.int32)
-        self.mask_col = col([M_RAND_MASK, V_RAND_MASK], torch.int32)
-        self.half_col = col([M_RAND_HALF, V_RAND_HALF], torch.int32)
-        self.shift_col = col([M_SHIFT, V_SHIFT], torch.int32)
-        # 8-bit decoding: fp16 bits of the codes (m: sign-extended, bit 7 to 15; v: zero-extended)
-        self.dec_shift_col = col([7, 6], torch.int16)
-        self.dec_mask_m = torch.tensor(~0x4000, dtype=torch.int16, device=device)
         # 4-bit encoding, per moment (as above); the exponent field of v code 0, and v code 1's value times 2**k
         self.k4_col = col([2.0**M4_K, 2.0**V4_K], torch.float32)
         self.add4_col = col([2.0 ** (M4_K - ref.M4_BIAS), 2.0 ** (V4_K - ref.BIAS)], torch.float32)
@@ -335,36 +313,13 @@ def high_halves(words: torch.Tensor) -> torch.Tensor:
     return words.view(torch.int16)[_HIGH_HALF::2]
 
 
-# ---- 8-bit state ------------------------------------------------------------------------------------------------
+# ---- block scales ------------------------------------------------------------------------------------------------
 
 
-def decode_8bit(b: Buffers, c: Consts, m_codes, v_codes, m_scale, v_scale, scales2=None) -> None:
-    """``reference.dequantize_m`` and ``dequantize_v`` into ``b.m`` and ``b.v`` (whole blocks).
-
-    A code is a half-precision number in disguise: fp16 has the codes' exponent bias 15, and its subnormals are
-    ``f * 2**-24``, so ``code << (10 - mant)`` (with the sign of ``m`` moved from bit 7 to bit 15) is the fp16 with
-    the code's value, subnormal codes included, and fp16 -> fp32 is exact. Then ``(+-a) * scale``, as the reference.
-    ``scales2``: both moments' scales side by side, when they are (a packed chunk).
-    """
-    if scales2 is not None:
-        b.sdec.copy_(scales2)
-    else:
-        b.sdec_mv[0].copy_(m_scale)
-        b.sdec_mv[1].copy_(v_scale)
-    b.x16_m.copy_(m_codes.view(torch.int8))  # sign-extends: a negative code c becomes 0xFF00 | c
-    b.x16_v.copy_(v_codes)  # zero-extends
-    # m: bit 7 lands on 14 and the sign extension on 15, so clear 14; v: the shift alone
-    b.x16_2.bitwise_left_shift_(c.dec_shift_col)
-    b.x16_m.bitwise_and_(c.dec_mask_m)
-    b.mv.copy_(b.x16_f16)
-    b.mv_b.mul_(b.sdec_col)
-
-
-def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, *, four_bit: bool = False) -> str:
-    """Block scales of both moments (from ``b.m = |m|`` and ``b.v``, in blocks of ``b.block``) into the bf16 tensors
-    ``m_scale_out`` and ``v_scale_out`` (or ``scales2``, both side by side), ``1 / scale`` into ``b.inv`` and the
-    normalizing factors of the 8-bit (``four_bit``: 4-bit) encoding into ``b.fac``. With ``four_bit`` the ``v``
-    scale is the exact fp32 absmax (format version 2), written into the fp32 ``v_scale_out`` (no ``scales2``).
+def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out) -> str:
+    """4-bit block scales of both moments (from ``b.m = |m|`` and ``b.v``, in blocks of ``b.block``): the bf16 ``m``
+    scale (absmax rounded up) into ``m_scale_out``, the exact fp32 ``v`` absmax (format version 2) into
+    ``v_scale_out``, ``1 / scale`` into ``b.inv`` and the normalizing factors of the encoding into ``b.fac``.
 
     Returns the encoding path: ``"fast"``, ``"exact"`` (finite, but a nonzero scale outside the fast range), or
     ``"ref"`` (a NaN or an infinity: the reference encodes the chunk, and nothing is written here).
@@ -375,63 +330,18 @@ def block_scales(b: Buffers, c: Consts, m_scale_out, v_scale_out, scales2=None, 
         return "ref"
     # round up to bf16 on the bits (finite, non-negative): the fp32 bits of the scale, then its bf16 bits
     torch.add(b.amax_i, c.bf16_up, out=b.s_i).bitwise_and_(c.high16)
-    if four_bit:
-        nb = b.blocks
-        b.s_i[nb:].copy_(b.amax_i[nb:])  # v: the exact absmax
-        b.scale16[:nb].copy_(high_halves(b.s_i[:nb]))
-        m_scale_out.copy_(b.m_scale)
-        v_scale_out.copy_(b.amax[nb:])
-    elif scales2 is not None:
-        scales2.view(torch.int16).copy_(high_halves(b.s_i))
-    else:
-        b.scale16.copy_(high_halves(b.s_i))
-        m_scale_out.copy_(b.m_scale)
-        v_scale_out.copy_(b.v_scale)
+    nb = b.blocks
+    b.s_i[nb:].copy_(b.amax_i[nb:])  # v: the exact absmax
+    b.scale16[:nb].copy_(high_halves(b.s_i[:nb]))
+    m_scale_out.copy_(b.m_scale)
+    v_scale_out.copy_(b.amax[nb:])
     torch.reciprocal(b.s_f, out=b.inv)
     torch.eq(b.amax, c.zero, out=b.zero_blocks)
     b.inv.masked_fill_(b.zero_blocks, 0.0)  # 1/s may still be inf for a tiny s, as in the reference
     fast = hi <= FAST_SCALE_MAX and float(b.inv.max()) <= 1.0 / FAST_SCALE_MIN
     if fast:
-        torch.mul(b.inv2, c.k4_col if four_bit else c.k_col, out=b.fac2)
+        torch.mul(b.inv2, c.k4_col, out=b.fac2)
     return "fast" if fast else "exact"
-
-
-def encode_8bit(b: Buffers, c: Consts, m_codes_out, v_codes_out, exact: bool, codes2=None) -> None:
-    """``reference.quantize_m`` and ``quantize_v`` codes of ``b.m`` and ``b.v`` (with ``b.m`` holding ``|m|``, and
-    the sign of m in ``b.a``: 1.0 where ``m < 0``) into the uint8 tensors ``m_codes_out`` and ``v_codes_out``, with
-    the factors of :func:`block_scales` and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``,
-    ``b.u``, ``b.r``, ``b.t``.
-
-    ``exact``: the reference's clamp and NaN step first (any finite scale). ``codes2``: both moments' codes side by
-    side, when they are (a packed chunk).
-    """
-    some_zero = not float(b.v.min()) > 0.0  # v >= 0 (finite here); a nonzero v never gets code 0
-    if some_zero:
-        torch.clamp(b.v.view(torch.int32), max=c.i_one, out=b.t)  # 1 where v > 0
-    if exact:
-        b.mv_b.mul_(b.inv[:, None]).clamp_(max=c.one).nan_to_num_(nan=0.0)  # reference._normalized: y in [0, 1]
-        b.mv2.mul_(c.k_col)
-    else:
-        b.mv_b.mul_(b.fac_col)  # y * 2**k
-    # y * 2**(k-1) + 2**(k-15): fused or not, the same bits (the product by 0.5 is exact where it matters)
-    torch.add(c.add_col, b.mv2, alpha=0.5, out=b.u2)
-    torch.maximum(b.mv, b.u, out=b.mv)  # w * 2**k
-    # the code: (bits(w * 2**k) + random offset) >> shift, and 128 where m < 0 (16 * bits(1.0) is -2**27 mod
-    # 2**32); stored as uint8, which keeps the low 8 bits, the exponent offset being a multiple of 256
-    torch.bitwise_left_shift(b.z, c.up_col, out=b.r2).bitwise_and_(c.mask_col).add_(c.half_col)
-    b.r.add_(b.mv_i)
-    b.rm.add_(b.a_i, alpha=16)
-    b.r2.bitwise_right_shift_(c.shift_col)
-    if codes2 is not None:
-        codes2.copy_(b.r)
-    else:
-        m_codes_out.copy_(b.rm)
-        v_codes_out.copy_(b.rv)
-    if some_zero:
-        b.nz.copy_(b.t)
-        torch.maximum(v_codes_out, b.nz, out=v_codes_out)
-    else:
-        v_codes_out.clamp_(min=c.u8_one)
 
 
 def sign_and_abs(b: Buffers, c: Consts) -> None:
@@ -490,7 +400,7 @@ def log_warp_(b: Buffers, c: Consts, x: torch.Tensor) -> None:
 
 def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
     """``reference.quantize_mv4`` codes of ``b.m`` and ``b.v`` (``b.m`` holding ``|m|`` and ``b.a`` the sign of m,
-    1.0 where ``m < 0``) into the uint8 tensor ``codes_out``, with the factors of :func:`block_scales` (``four_bit``)
+    1.0 where ``m < 0``) into the uint8 tensor ``codes_out``, with the factors of :func:`block_scales`
     and the random words of :func:`hash_into` (``b.z``). Overwrites ``b.mv``, ``b.u``, ``b.r``, ``b.t``.
 
     ``exact``: the reference's clamp and NaN step first (any finite scale).
@@ -504,7 +414,7 @@ def encode_4bit(b: Buffers, c: Consts, codes_out, exact: bool) -> None:
     else:
         b.mv_b.mul_(b.fac_col)  # y * 2**k
     log_warp_(b, c, b.v)  # v rounds in the log domain; the warp keeps exponents, so it commutes with the 2**k
-    if some_zero:  # as for 8-bit: max(y, fl(y + min normal) / 2) * 2**k
+    if some_zero:  # max(y, fl(y + min normal) / 2) * 2**k (module docstring)
         torch.add(c.add4_col, b.mv2, alpha=0.5, out=b.u2)
         torch.maximum(b.mv, b.u, out=b.mv)
     else:  # v: a nonzero v below the least code gets the least code, and so does max(y, 2**-14) * 2**k

@@ -112,8 +112,8 @@ class ApexW(torch.optim.Optimizer):
         >>> opt = ApexW(model.parameters(), lr=1e-3, state_format="8bit")
         >>> model(torch.randn(3, 4)).sum().backward()
         >>> opt.step(); opt.zero_grad()
-        >>> opt.state_bytes()  # 10 one-byte codes per moment, 2 bf16 scales per moment, 2 fp32 steps
-        36
+        >>> opt.state_bytes()  # 10 one-byte codes per moment, 2 bf16 m scales, 2 fp32 v scales, 2 fp32 steps
+        40
     """
 
     def __init__(
@@ -149,6 +149,9 @@ class ApexW(torch.optim.Optimizer):
         self._devices_of: dict[int, tuple[list, bool]] = {}  # id(group["params"]) -> (that list, spans devices)
         self._engine = None
         self._cpu_engine = None
+        # (id(group), bucket) -> (the state mapping, params, their state dicts, their tensor indices): what the
+        # engines are handed, looked up once per parameter list (see _engine_args)
+        self._engine_args_of: dict[tuple, tuple] = {}
         self._release: GradientRelease | None = None
         self._offload: StateOffload | None = None
         defaults = dict(
@@ -442,6 +445,29 @@ class ApexW(torch.optim.Optimizer):
         return engines.torch_engine(self)
 
     @property
+    def engine_stats(self) -> dict[str, dict]:
+        """The engines that have stepped this optimizer's parameters so far, by name, with their diagnostics:
+        ``"triton"``: ``{"grad_moves": steps whose gradients were at new addresses}`` (host time,
+        :mod:`apexw_hf.engines.triton.engine`); ``"torch"``: ``{"numba_used": whether any chunk ran on the fused numba
+        loop}``. An engine that never ran is absent. New dicts: reading them changes nothing.
+
+        Example:
+            >>> import torch
+            >>> from apexw_hf import ApexW
+            >>> p = torch.nn.Parameter(torch.ones(3))
+            >>> opt = ApexW([p], engine="torch")
+            >>> p.grad = torch.ones(3); opt.step()
+            >>> sorted(opt.engine_stats)
+            ['torch']
+        """
+        out = {}
+        if self._engine is not None:
+            out["triton"] = {"grad_moves": self._engine.grad_moves}
+        if self._cpu_engine is not None:
+            out["torch"] = {"numba_used": bool(self._cpu_engine.numba_used)}
+        return out
+
+    @property
     def gradient_release(self) -> bool:
         """Whether parameters are updated inside ``backward()`` (the ``gradient_release`` argument)."""
         return self._release is not None
@@ -499,29 +525,30 @@ class ApexW(torch.optim.Optimizer):
             raise KeyError("a tensor that is not a parameter of this optimizer's param groups")
         return slot
 
-    def _step_params(self, group: dict, params: list, grads: list, bucket: object = None, before_launch=None) -> None:
-        """Step ``params`` of ``group`` with ``grads``. ``before_launch``: the Triton engine's hook (gradient
-        release's bucket norm; see ``TritonEngine.step_group``), only for a group on one device."""
+    def _step_params(self, group: dict, params: list, grads: list, bucket: object = None, grad_scale=None) -> None:
+        """Step ``params`` of ``group`` with ``grads``, through the engine that ``group`` and the parameters' device
+        choose. ``grad_scale``: what :meth:`apexw_hf.engines.Engine.step_group` takes (gradient release's clip); a
+        callable is called once, also for a group over several devices (then here, with ``None``, and each device's
+        engine gets the tensor it returns)."""
         if self._offload is not None:
-            self._step_offloaded(group, params, grads, bucket, before_launch)
-            return
-        if before_launch is not None:
-            engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch)
+            self._step_offloaded(group, params, grads, bucket, grad_scale)
             return
         if not self._spans_devices(group):
-            engines.engine_for(self, group, params).step_group(group, params, grads, bucket)
+            self._run_engine(group, params, grads, bucket, grad_scale)
             return
         # a group over several devices (the Trainer's groups of a model dispatched over GPUs): each device's tensors
         # in their own launch, cached under their own bucket name
+        if callable(grad_scale):
+            grad_scale = grad_scale(None)
         by_device: dict[torch.device, tuple[list, list]] = {}
         for p, g in zip(params, grads):
             entry = by_device.setdefault(p.device, ([], []))
             entry[0].append(p)
             entry[1].append(g)
         for device, (ps, gs) in by_device.items():
-            engines.engine_for(self, group, ps).step_group(group, ps, gs, (bucket, device))
+            self._run_engine(group, ps, gs, (bucket, device), grad_scale)
 
-    def _step_offloaded(self, group: dict, params: list, grads: list, bucket: object, before_launch) -> None:
+    def _step_offloaded(self, group: dict, params: list, grads: list, bucket: object, grad_scale) -> None:
         """``_step_params`` with ``state_offload``: the launch updates the state staged on the device for it."""
         if dt.is_dtensor(params[0]):
             raise ValueError(
@@ -530,7 +557,46 @@ class ApexW(torch.optim.Optimizer):
             )
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
         stager = self._offload.stager(group, key)
-        engines.triton_engine(self).step_group(group, params, grads, bucket, before_launch, stager=stager)
+        self._run_engine(group, params, grads, bucket, grad_scale, stager)
+
+    def _run_engine(self, group: dict, params: list, grads: list, bucket: object, grad_scale, stager=None) -> None:
+        """The one call of an engine: ``step_group`` with the state dicts, tensor indices and non-finite counters of
+        ``params``."""
+        engine = engines.engine_for(self, group, params)
+        states, indices = self._engine_args(engine, group, params, grads, bucket)
+        engine.step_group(
+            group,
+            params,
+            grads,
+            states,
+            indices,
+            bucket=bucket,
+            grad_scale=grad_scale,
+            stager=stager,
+            nonfinite=self._nonfinite,
+        )
+
+    def _engine_args(self, engine, group: dict, params: list, grads: list, bucket: object) -> tuple[list, list]:
+        """The state dicts and tensor indices of ``params`` for ``engine.step_group``, the states created (in the
+        group's format, or in host memory with ``state_offload``) where missing, after ``engine.check`` (so a bad
+        gradient or hyperparameter creates no state). Looked up once per ``(group, bucket)`` and parameter list: a
+        call with the same parameters (an identity check, C speed) reuses the lists, so a step of hundreds of small
+        tensors pays no per-tensor lookup. ``load_state_dict``, which replaces the state dicts, drops them; a dict put
+        into ``self.state`` by other means (``opt.state[p] = {...}``) is seen once the parameter list changes."""
+        key = (id(group), bucket)
+        hit = self._engine_args_of.get(key)
+        if (
+            hit is not None
+            and hit[0] is self.state
+            and len(hit[1]) == len(params)
+            and all(map(operator.is_, params, hit[1]))
+        ):
+            return hit[2], hit[3]
+        engine.check(group, params, grads)
+        states = [self._init_state(p, group) for p in params]
+        indices = [self._tensor_index(p) for p in params]
+        self._engine_args_of[key] = (self.state, list(params), states, indices)
+        return states, indices
 
     def _spans_devices(self, group: dict) -> bool:
         """Whether ``group``'s parameters sit on more than one device (looked up once per params list)."""
@@ -628,6 +694,7 @@ class ApexW(torch.optim.Optimizer):
         self.__dict__.setdefault("_devices_of", {})
         self.__dict__.setdefault("_engine", None)
         self.__dict__.setdefault("_cpu_engine", None)
+        self.__dict__["_engine_args_of"] = {}  # the state dicts are new
         # Hooks live on the parameters, not in the pickled state: a copy steps in step(), without release.
         self.__dict__.setdefault("_release", None)
         self.__dict__.setdefault("_offload", None)

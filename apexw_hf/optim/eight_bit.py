@@ -8,13 +8,15 @@ from .base import ApexW
 class ApexW8bit(ApexW):
     """:class:`~apexw_hf.ApexW` with ``state_format="8bit"``.
 
-    Each moment is one byte per element plus one bf16 scale per block of 256 elements: the value divided by its
-    block's scale is stored as a small floating-point code, ``m`` as sign + 4 exponent + 3 mantissa bits, ``v`` as 4
-    exponent + 4 mantissa bits (both reach 2**-17 / 2**-18 of the block maximum), chosen by unbiased stochastic
-    rounding. Zero is stored exactly and a nonzero ``v`` is never stored as zero. Block-wise quantization of Adam
-    states follows Dettmers et al. (2022), "8-bit Optimizers via Block-wise Quantization"; the codes, their integer
-    encoding and the unbiased rounding are this project's format, version 2 (see :mod:`apexw_hf.reference`; state
-    dicts of version 1 are converted on loading).
+    Each moment is one byte per element plus one scale per block of 256 elements: the value divided by its block's
+    scale is stored as a small floating-point code, ``m`` as sign + 4 exponent + 3 mantissa bits over a bf16 scale
+    (down to 2**-17 of the block maximum), ``v`` as 5 exponent + 3 mantissa bits over an fp32 scale that decays by
+    exactly ``beta2`` while the block maximum stays under it (down to 2**-29 of the maximum: elements far below their
+    block's largest ``v`` keep AdamW's update size), chosen by unbiased stochastic rounding. Zero is stored exactly
+    and a nonzero ``v`` is never stored as zero. Block-wise quantization of Adam states follows Dettmers et al.
+    (2022), "8-bit Optimizers via Block-wise Quantization"; the codes, their integer encoding, the ``v`` scale and
+    the unbiased rounding are this project's format, version 3 (see :mod:`apexw_hf.reference`; state dicts of
+    versions 1 and 2 are converted on loading).
 
     Example:
         >>> import torch

@@ -36,14 +36,17 @@ The first step uses ``N = max(sqrt(S), previous norm)``, and so does a step from
 previous step's bucket at that place (a parameter with a gradient in one step and none in the other, as an unused
 expert of a mixture of experts; a model split over devices, whose devices' backward threads may complete buckets in
 another order). After a checkpoint is loaded the first step assumes the saved step's buckets.
-Per bucket on a GPU with the Triton engine this is two small kernel launches (``engines.triton.kernels.release_norm``):
-one sums the squared gradient elements, read through the address table of the bucket's AdamW launch, the other adds
-that to the step's running sums and computes the coefficient, which the update kernel multiplies each gradient by as
-it loads it (``LaunchPlan.launch(grad_scale=...)``: the bits of an in-place multiply, without a pass of its own).
-Elsewhere (the PyTorch engine, FSDP2's DTensor gradients, a group over several devices) the per-tensor norms (one fused
-operation) replace the first launch and one fused multiply clips the gradients in place; on the CPU PyTorch operations
-(:func:`release_norm_torch`) replace the second. On a small model the GPU waits for this host time, so it is kept to a
-few launches.
+The bucket's engine call gets the norm bookkeeping as its ``grad_scale`` callable (``GradientRelease._grad_scale``;
+:meth:`apexw_hf.engines.Engine.step_group`), which the engine calls once it has the bucket's gradients in hand: the
+same callable whichever engine runs. Per bucket on a GPU with the Triton engine this is two small kernel launches
+(``engines.triton.kernels.release_norm``): one sums the squared gradient elements, read through the address table of
+the bucket's AdamW launch, the other adds that to the step's running sums and computes the coefficient, which the
+update kernel multiplies each gradient by as it loads it (``LaunchPlan.launch(grad_scale=...)``: the bits of an
+in-place multiply, without a pass of its own). Elsewhere (the PyTorch engine, FSDP2's DTensor gradients, a group over
+several devices, the Triton interpreter) the per-tensor norms (one fused operation) replace the first launch, and the
+engine multiplies by the coefficient (the torch engine in place, one fused multiply); on the CPU PyTorch operations
+(:func:`release_norm_torch`) replace the second. On a small model the GPU waits for this host time, so it is kept to
+a few launches.
 The true pre-clip global norm of the step is recorded (:attr:`ApexW.grad_norm`), returned by Accelerate's
 ``clip_grad_norm_`` (so the Trainer logs it as ``grad_norm``) and saved in the state dict with the previous step's
 partial sums (a resumed run clips exactly as an unbroken one). They are saved twice: under the state dict's
@@ -87,7 +90,6 @@ from collections.abc import Callable
 import torch
 
 from .. import dtensor as dt
-from .. import engines
 from .tied_offload import PREFETCH_SHARE, TiedGradOffload
 
 DEFAULT_BUCKET_SIZE = 2**25  # elements: the default limit at the start of a backward pass (64 MiB of bf16)
@@ -326,37 +328,45 @@ class GradientRelease:
         grads = list(map(_GRAD, params))
         key = tuple(map(id, params))
         first, last = entries[0][0][0], entries[-1][0][0]
-        sumsq = _plan_sumsq(opt, opt.param_groups[first], params, grads) if first == last else None
-        if sumsq is not None:
-            # the norm from the address tables of the bucket's launch plans, once the engine has set them; the clip
-            # coefficient goes to the update kernel, which multiplies each gradient by it as _scale_ would
-            def before_launch(plans: list) -> torch.Tensor | None:
-                coefs = self._account_parts(sumsq(plans), True, grads[0].dtype, key)
-                if coefs is None:
-                    return None
-                if _FOLD_CLIP:  # (the running sums, and so the coefficient, may sit on another GPU of the model)
-                    return _on(coefs[torch.float32], grads[0].device).reshape(1)
-                _scale_(grads, coefs)
-                return None
-
-            opt._step_params(opt.param_groups[first], params, grads, bucket=key, before_launch=before_launch)
+        grad_scale = self._grad_scale(grads, key)
+        if first == last:  # a bucket inside backward: one param group
+            opt._step_params(opt.param_groups[first], params, grads, bucket=key, grad_scale=grad_scale)
         else:
-            coefs = self._account(grads, key)  # the norm is always recorded (the Trainer logs it as grad_norm)
-            if coefs is not None:
-                _scale_([dt.local(g) for g in grads] if dt.is_dtensor(grads[0]) else grads, coefs)
-            if first == last:  # a bucket inside backward: one param group
-                opt._step_params(opt.param_groups[first], params, grads, bucket=key)
-            else:
-                start = 0
-                for gi, run in itertools.groupby(slot[0] for slot, _ in entries):
-                    end = start + sum(1 for _ in run)
-                    opt._step_params(opt.param_groups[gi], params[start:end], grads[start:end], bucket=key)
-                    start = end
+            # the end-of-step flush over several groups: one norm for all of them, one factor for every engine call
+            scale = grad_scale(None)
+            start = 0
+            for gi, run in itertools.groupby(slot[0] for slot, _ in entries):
+                end = start + sum(1 for _ in run)
+                group_params, group_grads = params[start:end], grads[start:end]
+                opt._step_params(opt.param_groups[gi], group_params, group_grads, bucket=key, grad_scale=scale)
+                start = end
         for p in params:
             p.grad = None
         self._stepped.update(key)
         self.flushes += 1
         self.host_seconds += time.perf_counter() - t0
+
+    def _grad_scale(self, grads: list[torch.Tensor], key: tuple) -> Callable[[list | None], torch.Tensor | None]:
+        """The ``grad_scale`` a bucket's engine call gets (:meth:`apexw_hf.engines.Engine.step_group`): called once,
+        it adds the bucket's squared norm to the step's and returns the clip coefficient (fp32, one element, on the
+        gradients' device; None without clipping: the norm is recorded all the same, the Trainer logs it). Given the
+        Triton engine's launch plans, with plain gradients on a GPU where the kernels run, it reads the sum of squares
+        through their address tables (``engines.triton.kernels.release_norm.grad_sumsq_``: no pass over the gradients
+        of its own); else (``None`` from the torch engine, DTensor gradients whose norm is reduced over the mesh, no
+        kernels) it takes the per-tensor norms (:func:`_norm_parts`). Either engine multiplies each gradient by the
+        coefficient rounded to its dtype, the bits of ``clip_grad_norm_``'s in-place multiply."""
+        device = dt.local(grads[0]).device
+
+        def grad_scale(plans: list | None) -> torch.Tensor | None:
+            sumsq = None if plans is None or dt.is_dtensor(grads[0]) else _sumsq_impl(device)
+            if sumsq is None:
+                coefs = self._account(grads, key)
+            else:
+                coefs = self._account_parts(sumsq(plans), True, grads[0].dtype, key)
+            # (the running sums, and so the coefficient, may sit on another GPU of the model)
+            return None if coefs is None else _on(coefs[torch.float32], device).reshape(1)
+
+        return grad_scale
 
     def _account(self, grads: list[torch.Tensor], key: tuple) -> dict[torch.dtype, torch.Tensor] | None:
         """Add this bucket's squared norm to the step's; its clip coefficient by gradient dtype (None without
@@ -549,21 +559,6 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=device.type != "cpu")
 
 
-def _scale_(grads: list[torch.Tensor], coefs: dict[torch.dtype, torch.Tensor]) -> None:
-    """``g *= coef`` for every gradient, one fused multi-tensor multiply per device and gradient dtype. CUDA's fused
-    path wants the factor in the tensors' dtype (an fp32 factor on bf16 gradients falls back to one kernel per
-    tensor), so ``coefs`` holds it rounded to the bucket's gradient dtype besides fp32, as
-    ``torch.nn.utils.clip_grad_norm_`` computes it for bf16 gradients (its norm is in the gradients' dtype); another
-    dtype gets the fp32 one rounded."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g in grads:
-        by_kind.setdefault((g.device, g.dtype), []).append(g)
-    for (device, dtype), same in by_kind.items():
-        coef = coefs.get(dtype)
-        coef = coef if coef is not None else coefs[torch.float32].to(dtype)
-        torch._foreach_mul_(same, _on(coef, device))
-
-
 def _norm_parts(grads: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
     """``(parts, squared)``: the per-tensor norms of a bucket on one device (fp32, ``squared`` False), or its sum of
     squares as one element (``squared`` True) for DTensor gradients (reduced over the mesh) and several devices."""
@@ -615,9 +610,6 @@ def release_norm_torch(
     coef_lo.copy_(value.reshape(1))
 
 
-# Where the norm comes from the launch plans: the clip multiplies the gradients in the update kernel's gradient load
-# (LaunchPlan.launch's grad_scale) instead of in a pass of its own (_scale_); the same bits (tested both ways).
-_FOLD_CLIP = True
 _CUDA_KERNELS: list = []  # engines.triton.kernels.release_norm where it runs on CUDA tensors, else None; at first use
 
 
@@ -634,16 +626,6 @@ def _cuda_kernels(device: torch.device):
         else:
             _CUDA_KERNELS.append(None if kernel.INTERPRETED else kernel)
     return _CUDA_KERNELS[0]
-
-
-def _plan_sumsq(opt, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable | None:
-    """The sum-of-squares launch over the Triton engine's launch plans
-    (``engines.triton.kernels.release_norm.grad_sumsq_``) for a bucket of ``group`` that the Triton engine steps on
-    one GPU with plain (not DTensor) gradients; None otherwise (the per-tensor norms then)."""
-    g = grads[0]
-    if dt.is_dtensor(g) or not engines.uses_triton(group["engine"], params) or opt._spans_devices(group):
-        return None
-    return _sumsq_impl(g.device)
 
 
 def _sumsq_impl(device: torch.device) -> Callable | None:

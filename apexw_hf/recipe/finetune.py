@@ -354,13 +354,12 @@ def _optimizer_facts(cfg: RecipeConfig, opt, model, result: dict[str, Any]) -> d
     engines = sorted({str(g["engine"]) for g in real_opt.param_groups if "engine" in g})
     if engines:  # ApexW: the requested engine, and whether its Triton engine actually ran
         result["optimizer_engine"] = ",".join(engines)
-        triton_engine = getattr(real_opt, "_engine", None)
-        result["optimizer_triton_engine_used"] = triton_engine is not None
-        if triton_engine is not None:  # steps that found the gradients at new addresses (host time; engine.py)
-            result["optimizer_grad_moves"] = triton_engine.grad_moves
-        cpu_engine = getattr(real_opt, "_cpu_engine", None)  # the plain-PyTorch engine, and its fused numba path
-        result["optimizer_torch_engine_used"] = cpu_engine is not None
-        result["optimizer_numba_used"] = bool(getattr(cpu_engine, "numba_used", False))
+        ran = getattr(real_opt, "engine_stats", {})
+        result["optimizer_triton_engine_used"] = "triton" in ran
+        if "triton" in ran:  # steps that found the gradients at new addresses (host time; engines/triton/engine.py)
+            result["optimizer_grad_moves"] = ran["triton"]["grad_moves"]
+        result["optimizer_torch_engine_used"] = "torch" in ran  # the plain-PyTorch engine, and its fused numba path
+        result["optimizer_numba_used"] = ran.get("torch", {}).get("numba_used", False)
     return mem
 
 

@@ -47,7 +47,8 @@ def _check_no_master_copy(opt, model, fmt):
     per_tensor = 4  # the fp32 step counter
     expected = {
         "compact": 4 * n + per_tensor * len(params),
-        "8bit": 2 * n + 2 * 2 * n_blocks + per_tensor * len(params),  # uint8 m + uint8 v, a bf16 scale per block each
+        # uint8 m + uint8 v; per block a bf16 m scale and an fp32 v scale (format version 3)
+        "8bit": 2 * n + (2 + 4) * n_blocks + per_tensor * len(params),
         # one byte for m and v; per 128 elements a bf16 m scale and an fp32 v scale (format version 2)
         "4bit": n + (2 + 4) * n_blocks4 + per_tensor * len(params),
     }[fmt]

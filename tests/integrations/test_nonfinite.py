@@ -131,7 +131,7 @@ def _trainer(tmp_path, optim, *, poison=None, skip=None, **overrides):
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             if self.state.global_step == skip:
-                return torch.tensor(0.0)
+                return torch.tensor(0.0, device=self.args.device)
             return super().training_step(model, inputs, num_items_in_batch)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

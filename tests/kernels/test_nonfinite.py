@@ -104,6 +104,25 @@ def test_one_count_per_step_over_launches():
     assert counts.tolist() == [9, 2, 4, 4]
 
 
+def test_engine_without_the_check_updates_and_counts_nothing():
+    """``TritonEngine(check_nonfinite=False)`` (the step benchmark's ``_nocheck`` rows) launches the kernel without the
+    check: a non-finite gradient reaches the parameter and nothing is counted; the default engine skips and counts."""
+    from apexw_hf.engines import triton_engine
+
+    results = {}
+    for check in (True, False):
+        p = torch.nn.Parameter(torch.ones(512, device=DEVICE))
+        opt = ApexW([p], lr=1e-2, state_format="compact", engine="triton")
+        triton_engine(opt).check_nonfinite = check
+        p.grad = torch.ones_like(p)
+        p.grad[3] = float("nan")
+        with pytest.warns(RuntimeWarning) if check and DEVICE == "cpu" else _nothing():
+            opt.step()
+        results[check] = (torch.isfinite(p.detach()).all().item(), opt.nonfinite_skipped)
+    assert results[True] == (True, 1)
+    assert results[False] == (False, 0)
+
+
 # ---- through the engine ----------------------------------------------------------------------------------------
 
 
@@ -147,7 +166,7 @@ def test_engine_matches_the_torch_engine(fmt, mode, monkeypatch):
     # On a GPU the Triton engine's bucket norm (a tree of partial sums in a kernel) equals the per-tensor norms of the
     # PyTorch engine only up to rounding, so the clip coefficients would differ in the last bit: both take the
     # per-tensor norms here (what runs on the CPU anyway). The kernel's NaN coefficient is tested above.
-    monkeypatch.setattr(release, "_plan_sumsq", lambda *args: None)
+    monkeypatch.setattr(release, "_sumsq_impl", lambda device: None)
     monkeypatch.setattr(release, "_norm_impl", lambda device: release.release_norm_torch)
     a, oa = _poisoned_run(fmt, "triton", mode)
     b, ob = _poisoned_run(fmt, "torch", mode)

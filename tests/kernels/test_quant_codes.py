@@ -1,12 +1,14 @@
-"""The kernels' 8-bit codes (format version 2) and 4-bit codes against the reference, bit for bit.
+"""The kernels' 8-bit codes (format version 3) and 4-bit codes against the reference, bit for bit.
 
-Encoding: every code value, its fp32 neighbours, the midpoints between codes, the subnormal/normal boundary 2**-14
-and the values around it, the exact thresholds where a random offset carries into the next code, 0 and -0, NaN and
-inf blocks, blocks whose scale is subnormal or whose reciprocal overflows, with random words of all-0 bits, all-1
-bits, hashed words and words that set only the bits of one moment. Decoding: all 256 codes under ordinary and special
-scales, one code at a time and four to a word. The 4-bit codes (both moments in one byte, 128-element blocks) get the
-same treatment at the end of the module (format version 2: a bf16 ``m`` scale, an exact fp32 ``v`` scale, and 16
-random bits for ``v``, the word's bits 0-9 above its bits 16-21).
+Encoding: every code value, its fp32 neighbours, the midpoints between codes, the subnormal/normal boundary (2**-14
+for ``m``, 2**-30 for ``v``) and the values around it, the exact thresholds where a random offset carries into the
+next code, 0 and -0, NaN and inf blocks, blocks whose scale is subnormal or whose reciprocal overflows, with random
+words of all-0 bits, all-1 bits, hashed words and words that set only the bits of one moment; ``v``'s envelope scale
+from a previous scale at the absmax (kept: ``y`` is the value itself), from none (a restart at twice the absmax) and
+from one above the absmax (kept, decayed by beta2). Decoding: all 256 codes under ordinary and special scales, one
+code at a time and four to a word. The 4-bit codes (both moments in one byte, 128-element blocks) get the same
+treatment at the end of the module (format version 2: a bf16 ``m`` scale, an exact fp32 ``v`` scale, and 16 random
+bits for ``v``, the word's bits 6-21).
 """
 
 import pytest
@@ -29,13 +31,17 @@ from apexw_hf.engines.triton.kernels._quant import (
 
 from .helpers import DEVICE, mismatch, same_bits
 
-MANT = {"m": ref.M_MANT, "v": ref.V_MANT}
-CODE_MAX = {"m": ref.M_CODE_MAX, "v": ref.V_CODE_MAX}
-RAND = {"m": (ref.M_RAND_SHIFT, ref.M_RAND_BITS), "v": (ref.V_RAND_SHIFT, ref.V_RAND_BITS)}
+MANT = {"m": ref.M_MANT, "v": ref.V8_MANT}
+BIAS = {"m": ref.BIAS, "v": ref.V8_BIAS}
+CODE_MAX = {"m": ref.M_CODE_MAX, "v": ref.V8_CODE_MAX}
+RAND = {"m": (ref.M_RAND_SHIFT, ref.M_RAND_BITS), "v": (ref.V8_RAND_SHIFT, ref.V8_RAND_BITS)}
+BETA2 = 0.9990000128746033  # fp32 0.999
+# v's previous scale: "amax" (kept as it is: beta2 1.0), "none" (zeros: a restart), "above" (1.5 x absmax, decayed)
+PREV = ("amax", "none", "above")
 
 
 @triton.jit
-def _encode_kernel(x_ptr, bits_ptr, code_ptr, scale_ptr, n, V: tl.constexpr):
+def _encode_kernel(x_ptr, bits_ptr, code_ptr, scale_ptr, prev_ptr, n, beta2, V: tl.constexpr):
     row = tl.program_id(0)
     offs = row * 256 + tl.arange(0, 256)[None, :]
     mask = offs < n
@@ -43,7 +49,8 @@ def _encode_kernel(x_ptr, bits_ptr, code_ptr, scale_ptr, n, V: tl.constexpr):
     bits = tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
     one = (n > 0).to(tl.uint32)
     if V:
-        c, s = quant_v(x, mask, bits, one)
+        prev = tl.load(prev_ptr + row + tl.arange(0, 1))
+        c, s = quant_v(x, mask, bits, one, prev, beta2)
     else:
         c, s = quant_m(x, mask, bits, one)
     tl.store(code_ptr + offs, c, mask=mask)
@@ -53,7 +60,10 @@ def _encode_kernel(x_ptr, bits_ptr, code_ptr, scale_ptr, n, V: tl.constexpr):
 @triton.jit
 def _decode_kernel(code_ptr, scale_ptr, out_ptr, V: tl.constexpr, WORDS: tl.constexpr):
     row = tl.program_id(0)
-    scale = tl.load(scale_ptr + row + tl.arange(0, 1)).to(tl.uint16, bitcast=True)
+    if V:
+        scale = tl.load(scale_ptr.to(tl.pointer_type(tl.float32), bitcast=True) + row + tl.arange(0, 1))
+    else:
+        scale = tl.load(scale_ptr + row + tl.arange(0, 1)).to(tl.uint16, bitcast=True)
     offs = row * 256 + tl.arange(0, 256)[None, :]
     if WORDS:
         w = tl.load(code_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row * 64 + tl.arange(0, 64)[None, :])
@@ -73,19 +83,43 @@ def _f32_bits(bits) -> torch.Tensor:
     return _int32(torch.as_tensor(bits, dtype=torch.int64)).view(torch.float32)
 
 
-def _encode(moment: str, x: torch.Tensor, bits: torch.Tensor):
+def _prev(x: torch.Tensor, prev: str) -> tuple[torch.Tensor, float]:
+    """v's previous block scales and beta2 for the kind ``prev`` (see PREV)."""
+    amax = ref._blocks(x).amax(dim=1)
+    if prev == "amax":
+        return amax, 1.0
+    if prev == "none":
+        return torch.zeros_like(amax), BETA2
+    return amax * 1.5, BETA2
+
+
+def _encode(moment: str, x: torch.Tensor, bits: torch.Tensor, prev: str = "amax"):
     n = x.numel()
+    nb = ref.num_blocks(n)
     codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
-    scale = torch.empty(ref.num_blocks(n), dtype=torch.int16, device=DEVICE)
-    _encode_kernel[(ref.num_blocks(n),)](
-        x.to(DEVICE), _int32(bits).to(DEVICE), codes, scale, n, V=moment == "v", num_warps=1, enable_fp_fusion=False
+    scale = torch.empty(nb, dtype=torch.int32 if moment == "v" else torch.int16, device=DEVICE)
+    p, beta2 = _prev(x, prev)
+    _encode_kernel[(nb,)](
+        x.to(DEVICE),
+        _int32(bits).to(DEVICE),
+        codes,
+        scale,
+        p.to(DEVICE),
+        n,
+        beta2,
+        V=moment == "v",
+        num_warps=1,
+        enable_fp_fusion=False,
     )
-    return codes.cpu(), scale.cpu().view(torch.bfloat16)
+    return codes.cpu(), scale.cpu().view(torch.float32 if moment == "v" else torch.bfloat16)
 
 
-def _check_encode(moment: str, x: torch.Tensor, bits: torch.Tensor) -> None:
-    want_codes, want_scale = (ref.quantize_v if moment == "v" else ref.quantize_m)(x, bits)
-    codes, scale = _encode(moment, x, bits)
+def _check_encode(moment: str, x: torch.Tensor, bits: torch.Tensor, prev: str = "amax") -> None:
+    if moment == "v":
+        want_codes, want_scale = ref.quantize_v(x, bits, *_prev(x, prev))
+    else:
+        want_codes, want_scale = ref.quantize_m(x, bits)
+    codes, scale = _encode(moment, x, bits, prev)
     assert same_bits(scale, want_scale), f"scales: {mismatch(scale, want_scale)}"
     bad = (codes != want_codes).nonzero().flatten()
     assert bad.numel() == 0, (
@@ -96,38 +130,39 @@ def _check_encode(moment: str, x: torch.Tensor, bits: torch.Tensor) -> None:
 
 
 def _code_values(moment: str) -> torch.Tensor:
-    return ref.minifloat_value(torch.arange(CODE_MAX[moment] + 1), MANT[moment])
+    return ref.minifloat_value(torch.arange(CODE_MAX[moment] + 1), MANT[moment], BIAS[moment])
 
 
 def _boundary_values(moment: str) -> torch.Tensor:
     """Magnitudes in [0, 1]: the code values, 1 and 2 ulps either side, the midpoints between codes, and the
-    subnormal/normal boundary with its neighbourhood (ties of y + 2**-14 included)."""
+    subnormal/normal boundary ``b`` with its neighbourhood (ties of y + b included)."""
     c = _code_values(moment)
     zero, one = torch.zeros_like(c), torch.ones_like(c)
     dn1, up1 = torch.nextafter(c, zero), torch.nextafter(c, one)
     dn2, up2 = torch.nextafter(dn1, zero), torch.nextafter(up1, one)
     mid = (c[1:] + c[:-1]) / 2
-    b = ref.MIN_NORMAL
+    e = 1 - BIAS[moment]  # b = 2**e; the ulp of y + b is 2**(e - 23), the smallest code 2**(e - mant)
+    b, lo = 2.0**e, 2.0 ** (e - MANT[moment])
     near = torch.tensor(
         [
             b,
             b * (1 - 2**-24),
             b * (1 + 2**-23),
-            b - 2**-38,
-            b - 3 * 2**-38,
-            b - 2**-37,
-            2**-38,
-            3 * 2**-38,
-            2**-37,
+            b - 2.0 ** (e - 24),
+            b - 3 * 2.0 ** (e - 24),
+            b - 2.0 ** (e - 23),
+            2.0 ** (e - 24),
+            3 * 2.0 ** (e - 24),
+            2.0 ** (e - 23),
             2**-149,
             2**-130,
             2**-127,
             2**-126,
-            2**-18,
-            2**-17,
-            2**-19,
-            0.5 * 2**-18,
-            1.5 * 2**-18,
+            lo,
+            2 * lo,
+            lo / 2,
+            0.5 * lo,
+            1.5 * lo,
             0.0,
             1.0,
         ],
@@ -167,6 +202,14 @@ def _words(n: int, kind: str, moment: str) -> torch.Tensor:
 def test_code_boundaries(moment, words):
     x = _blocks_led_by_one(_boundary_values(moment), signs=moment == "m")
     _check_encode(moment, x, _words(x.numel(), words, moment))
+
+
+@pytest.mark.parametrize("prev", PREV[1:])
+def test_v_envelope_scale(prev):
+    """v's scale restarts at twice the absmax from a zero scale, and keeps a previous one above the absmax decayed
+    by beta2 (codes and scales bit for bit, over the boundary values and hashed words)."""
+    x = _blocks_led_by_one(_boundary_values("v"), signs=False)
+    _check_encode("v", x, _words(x.numel(), "hashed", "v"), prev)
 
 
 @pytest.mark.parametrize("moment", ["m", "v"])
@@ -241,7 +284,8 @@ def _special_blocks(moment: str) -> torch.Tensor:
 def test_special_blocks_and_tail(moment, words):
     x = _special_blocks(moment)
     assert x.numel() % 256 != 0
-    _check_encode(moment, x, _words(x.numel(), words, moment))
+    for prev in PREV if moment == "v" else PREV[:1]:
+        _check_encode(moment, x, _words(x.numel(), words, moment), prev)
 
 
 SCALES = [1.0, 3.0, 0.0, 2.0**-133, 2.0**-126, 1e-30, 3.3e38, float("inf"), float("nan"), 2.0**100]
@@ -252,12 +296,13 @@ SCALES = [1.0, 3.0, 0.0, 2.0**-133, 2.0**-126, 1e-30, 3.3e38, float("inf"), floa
 def test_decode_every_code(moment, words):
     gen = torch.Generator().manual_seed(1)
     codes = torch.stack([torch.randperm(256, generator=gen) for _ in SCALES]).to(torch.uint8).reshape(-1)
-    scale = torch.tensor(SCALES, dtype=torch.float32).to(torch.bfloat16)
+    scale = torch.tensor(SCALES, dtype=torch.float32)
+    scale = scale if moment == "v" else scale.to(torch.bfloat16)  # v: fp32 scales (format version 3)
     want = (ref.dequantize_v if moment == "v" else ref.dequantize_m)(codes, scale)
     out = torch.empty(codes.numel(), dtype=torch.float32, device=DEVICE)
     _decode_kernel[(len(SCALES),)](
         codes.to(DEVICE),
-        scale.view(torch.int16).to(DEVICE),
+        scale.view(torch.int32 if moment == "v" else torch.int16).to(DEVICE),
         out,
         V=moment == "v",
         WORDS=words,
@@ -268,7 +313,7 @@ def test_decode_every_code(moment, words):
     # the decoded values of scale 1 are the code values (signed for m): a wrong decoder cannot match by accident
     one = want[:256]
     c = codes[:256].long()
-    mag = ref.minifloat_value(c & 127 if moment == "m" else c, MANT[moment])
+    mag = ref.minifloat_value(c & 127 if moment == "m" else c, MANT[moment], BIAS[moment])
     assert torch.equal(one.abs(), mag) and torch.unique(one).numel() >= 240
 
 

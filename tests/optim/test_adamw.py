@@ -11,14 +11,15 @@ from .helpers import FORMATS, SHAPES, make_grads, relative_deviation, run_steps
 # fp32: both sides round every op to fp32, they only differ in operation order (measured ~1.5e-6).
 # compact: each step writes m and v with stochastic rounding to bf16 (relative error <= 2**-8 = 0.39% per write,
 # unbiased); measured ~0.6%; bound 2%, five bf16 ulps.
-# 8bit: codes have 127/255 levels per block (relative code step near the block max ~1.6%), unbiased rounding;
-# measured ~2.3%; bound 6%.
+# 8bit (format version 3): m e4m3, v e5m3 (8 codes per binade: a code step up to 12.5% of v), unbiased rounding;
+# measured 0.046-0.070 over SHAPES x 3 gradient seeds (version 2's e4m4 v, 16 codes per binade: 0.052-0.057),
+# 0.016 in the hyperparameter test; bound 8%.
 # 4bit: one code per binade (m: 2**-6 .. 1 of the block scale, v: 2**-14 .. 1), so each write rounds a moment to one
 # of the two powers of two around it (unbiased, a third of its value off in the middle of a binade); on these
 # random-gradient runs, where the distance travelled is itself a random walk, the path ends 0.43-0.57 of that distance
 # away from torch's (8 gradient seeds, 257 and 4097 elements), ~0.12 in the hyperparameter test; bound 0.75 (a
 # format that lost the update or flipped its sign would be at >= 1).
-TOLERANCE = {"fp32": 1e-5, "compact": 0.02, "8bit": 0.06, "4bit": 0.75}
+TOLERANCE = {"fp32": 1e-5, "compact": 0.02, "8bit": 0.08, "4bit": 0.75}
 
 
 def _pair(shape, fmt, steps=60, seed=0, **kw):
@@ -166,7 +167,7 @@ def test_group_format_override():
     opt.step()
     assert opt.state[emb]["exp_avg"].dtype == torch.float32
     assert opt.state[lin]["exp_avg"].dtype == torch.uint8
-    assert opt.state_bytes() == 100 * 8 * 8 + 4 + 64 * 2 + 2 * 2 + 4
+    assert opt.state_bytes() == 100 * 8 * 8 + 4 + 64 * 2 + (2 + 4) + 4  # 8-bit: bf16 m, fp32 v scale
 
 
 def test_group_format_override_4bit():
@@ -177,5 +178,5 @@ def test_group_format_override_4bit():
     assert opt.state[emb]["exp_avg"].dtype == torch.uint8 and "exp_avg_mv" not in opt.state[emb]
     assert set(opt.state[lin]) == {"step", "exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale"}
     assert opt.state[lin]["exp_avg_mv"].dtype == torch.uint8 and opt.state[lin]["exp_avg_mv"].shape == (8, 30)
-    # 8bit: 800 + 800 codes, 4 blocks of 256 x 2 bf16 scales; 4bit: 240 bytes, 2 blocks of 128 x (bf16 + fp32) scales
-    assert opt.state_bytes() == (2 * 800 + 4 * 2 * 2 + 4) + (240 + 2 * (2 + 4) + 4)
+    # 8bit: 800 + 800 codes, 4 blocks of 256 x (bf16 + fp32) scales; 4bit: 240 bytes, 2 blocks of 128 x the same
+    assert opt.state_bytes() == (2 * 800 + 4 * (2 + 4) + 4) + (240 + 2 * (2 + 4) + 4)

@@ -97,7 +97,10 @@ def test_a_group_over_two_devices_steps_each_device_on_its_own(monkeypatch):
     calls = []
 
     class Recorder:
-        def step_group(self, group, params, grads, bucket=None):
+        def check(self, group, params, grads):
+            pass
+
+        def step_group(self, group, params, grads, states, tensor_indices, bucket=None, **_):
             calls.append(({p.device.type for p in params}, [id(p) for p in params], [id(g) for g in grads], bucket))
 
     monkeypatch.setattr(engines, "engine_for", lambda optimizer, group, params: Recorder())

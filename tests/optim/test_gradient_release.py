@@ -107,9 +107,9 @@ def test_a_bucket_holds_one_param_group_until_backward_ends():
     release, launched = opt._release, []
     step_params = opt._step_params
 
-    def record(group, params, grads, bucket=None):
+    def record(group, params, grads, bucket=None, grad_scale=None):
         launched.append((release.flushes, opt.param_groups.index(group), len(params)))
-        return step_params(group, params, grads, bucket=bucket)
+        return step_params(group, params, grads, bucket=bucket, grad_scale=grad_scale)
 
     opt._step_params = record
     loss_of(model, 0).backward()

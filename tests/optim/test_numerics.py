@@ -109,7 +109,7 @@ def test_nonfinite_gradient_skips_its_blocks_only(fmt):
     [
         ("fp32", 24_313_856 * 8 + 392 * 4),
         ("compact", 24_313_856 * 4 + 392 * 4),
-        ("8bit", 24_313_856 * 2 + 2 * 2 * (24_313_856 // 256) + 392 * 4),
+        ("8bit", 24_313_856 * 2 + (2 + 4) * (24_313_856 // 256) + 392 * 4),  # bf16 m, fp32 v scales
         ("4bit", 24_313_856 * 1 + (2 + 4) * (24_313_856 // 128) + 392 * 4),  # bf16 m, fp32 v scales
     ],
 )
@@ -125,7 +125,7 @@ def test_state_bytes_on_lora_llama_3b_set(fmt, expected):
     if fmt == "compact":
         assert round(mib, 2) == 92.75
     if fmt == "8bit":
-        assert mib <= 47.10  # published ApexW 8bit: 47.101 MiB; bitsandbytes 0.50.2: 47.865 MiB
+        assert round(mib, 2) == 46.92  # format version 3; published ApexW 8bit: 47.101 MiB; bitsandbytes: 47.865
     if fmt == "4bit":
         assert round(mib, 2) == 24.28  # 1.047 bytes per parameter (format version 2); issue 27's aim: <= 25.0
     if fmt == "fp32":
@@ -136,7 +136,7 @@ def test_8bit_state_of_tiny_tensors_is_quantized():
     p = torch.nn.Parameter(torch.randn(3))
     s = st.init_state(p, "8bit")
     assert s["exp_avg"].dtype == torch.uint8 and s["exp_avg_scale"].numel() == 1
-    assert st.state_tensor_bytes(s) == 4 + 3 + 3 + 2 + 2
+    assert st.state_tensor_bytes(s) == 4 + 3 + 3 + 2 + 4  # step, codes, bf16 m scale, fp32 v scale
 
 
 def test_4bit_state_of_tiny_tensors_is_quantized():

@@ -33,3 +33,35 @@ def test_block_skew_tiny_fine_tune(tmp_path):
         shares = [r["past"][k] for k in sorted(r["past"])]
         assert shares == sorted(shares, reverse=True) and 0 <= r["zero"] <= 1
     assert "config offline_full" in out.read_text()
+
+
+def test_kernel_sass_compiles_for_sm90_on_the_cpu():
+    """scripts/kernel_sass.py (the static kernel cost of issue 45's comparison) in a process of its own: the kernels
+    must be compiled there, not interpreted."""
+    import os
+    import subprocess
+    import sys
+
+    from ..scripts import ROOT
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "kernel_sass.py"), "--formats", "8bit"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    lines = out.splitlines()
+    assert len(lines) == 2 and all(x.startswith("sm_90 8bit p=g=") and "SASS instructions" in x for x in lines)
+
+
+def test_skew_candidates_tiny_run():
+    rows = load_script("skew_candidates").main(["--beta2", "0.99", "--ratios", "4", "--steps-scale", "0.02"])
+    assert {(r["format"], r["scenario"]) for r in rows} == {
+        (c, s) for c in ("4bit_env", "8bit_exact") for s in ("held", "decaying")
+    }
+    assert all(0.5 < r["ratio"] < 2 for r in rows)
+    with pytest.raises(ValueError, match="int4"):
+        load_script("skew_candidates").main(["--candidates", "int4"])

@@ -1,19 +1,26 @@
 """Triton engine of :class:`~apexw_hf.optim.base.ApexW`: one kernel launch per (param group, param dtype, grad dtype).
 
-Interface with the optimizer (through :func:`apexw_hf.engines.engine_for`, which ``ApexW`` calls)::
+Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`; ``ApexW`` calls it through
+:func:`apexw_hf.engines.engine_for`)::
 
-    engine = TritonEngine(optimizer)        # one per optimizer, created lazily on the first Triton step
-    engine.step_group(group, params, grads) # params: the group's params whose .grad is not None, in group order
-    engine.invalidate()                     # after load_state_dict or any replacement of state tensors
+    engine = TritonEngine()                  # one per optimizer, created lazily on the first Triton step
+                                             # (check_nonfinite=False: only to time what that check costs)
+    engine.check(group, params, grads)       # before the caller creates missing state
+    engine.step_group(group, params, grads, states, tensor_indices, bucket=None, grad_scale=None, stager=None,
+                      nonfinite=None)        # params: the group's params whose .grad is not None, in group order
+    engine.invalidate()                      # after load_state_dict or any replacement of state tensors
 
-``step_group`` does everything the plain-PyTorch path does for those params: it creates missing state (through
-``optimizer._init_state``), increments ``state["step"]`` of exactly those params, and applies the update. The random
-streams use ``optimizer._tensor_index(p)`` as tensor index and ``group["seed"]``, as the reference does.
+``step_group`` does everything the plain-PyTorch engine does for those params: it increments ``state["step"]`` of
+exactly those params and applies the update to the state dicts it is given (the caller creates them). The random
+streams use the given tensor indices and ``group["seed"]``, as the reference does.
 
-What is cached per group (rebuilt only when the set of stepping params, their state tensors or their grad dtypes
-change): the address and program-to-tensor tables on the device (:class:`~.kernels.LaunchPlan`), per-tensor
-random keys, and the step counters: ``state["step"]`` of every param in the cache is a 0-dim view into one CPU fp32
-buffer, so one in-place add increments them all (the tensors stay plain 0-dim fp32 CPU tensors for ``state_dict``).
+What is cached per group (rebuilt only when the set of stepping params, their grad dtypes, the group's format or
+seed change, or after :meth:`TritonEngine.invalidate`): the address and program-to-tensor tables on the device
+(:class:`~.kernels.LaunchPlan`), per-tensor random keys, the state dicts and tensor indices the plan was built from
+(read only then: the ``states`` and ``tensor_indices`` of a call that finds its plan cost no host time, and state
+tensors replaced since need :meth:`TritonEngine.invalidate`), and the step counters: ``state["step"]`` of every param
+in the cache is a 0-dim view into one CPU fp32 buffer, so one in-place add increments them all (the tensors stay
+plain 0-dim fp32 CPU tensors for ``state_dict``).
 
 Host work per step that remains, and why:
 
@@ -58,17 +65,25 @@ def _shapes_devices(params: list[torch.Tensor]) -> tuple[list, list]:
 class _GroupCache:
     """Launch plans and step counters of the stepping params of one param group."""
 
-    def __init__(self, engine, group: dict, members: list[torch.Tensor], grads: list[torch.Tensor], streamed=False):
+    def __init__(
+        self,
+        group: dict,
+        members: list[torch.Tensor],
+        states: list[dict],
+        indices: list[int],
+        grads: list[torch.Tensor],
+        streamed=False,
+    ):
         from .kernels import LaunchPlan
 
-        opt = engine.optimizer
         self.members = members
+        self.states = states  # the members' state dicts and tensor indices (a later rebuild keeps those not stepping)
+        self.indices = indices
         self.member_ids = [id(p) for p in members]
         self.slot_of = {id(p): i for i, p in enumerate(members)}
         self.fmt = group["state_format"]
         self.seed = group["seed"]
         self.streamed = streamed  # the plans take their state addresses per launch (state offload)
-        states = [opt.state[p] for p in members]
         # Step counters: views into one buffer (values copied from whatever the states held).
         self.steps = torch.tensor([float(s["step"]) for s in states], dtype=torch.float32)
         self.steps_np = self.steps.numpy()
@@ -88,7 +103,7 @@ class _GroupCache:
                 if streamed
                 else [dt.local_view(states[i], members[i]) if dt.is_dtensor(members[i]) else states[i] for i in slots],
                 self.fmt,
-                [opt._tensor_index(members[i]) for i in slots],
+                [indices[i] for i in slots],
                 self.seed,
                 gdt,
             )
@@ -100,13 +115,12 @@ class _GroupCache:
 class TritonEngine:
     """Runs :meth:`ApexW.step` for param groups on the Triton kernels (see the module docstring for the contract)."""
 
-    def __init__(self, optimizer):
+    def __init__(self, check_nonfinite: bool = True):
         try:
             from . import kernels  # noqa: F401
         except ImportError as e:
             raise RuntimeError(f"engine='triton' needs the triton package ({e}); install apexw_hf[triton]") from e
 
-        self.optimizer = optimizer
         # Keyed by (id(group), bucket): ``step()`` uses bucket None (the group's params with a gradient); gradient
         # release steps a group in buckets of the tensors whose gradients became ready together, one cache each.
         self._cache: dict[tuple[int, object], _GroupCache] = {}
@@ -116,6 +130,10 @@ class TritonEngine:
         self._scalars_key: tuple | None = None  # (step, lr, betas, eps, weight_decay) of the last uniform step
         self._scalars = None
         self._hp_memo: dict[int, tuple[tuple, dict[str, float]]] = {}  # id(group) -> (its raw values, step_hparams)
+        # Blocks with a non-finite gradient are left un-updated and counted (reference.nonfinite_blocks). Off only to
+        # time what that check costs (benchmarks/bench_step.py's _nocheck rows): the update then differs from the
+        # reference's on non-finite gradients.
+        self.check_nonfinite = bool(check_nonfinite)
 
     def _hparams(self, group: dict) -> dict[str, float]:
         """``step_hparams(group)``, read again only when one of the group's values is another object than at its last
@@ -156,35 +174,49 @@ class TritonEngine:
             )
         raise RuntimeError(f"engine='triton' supports CUDA parameters only, got device {p.device}")
 
+    def check(self, group: dict, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """The errors of :meth:`step_group` that ``group``, ``params`` and ``grads`` decide (the ``Engine`` contract):
+        a hyperparameter :func:`~apexw_hf.hparams.step_hparams` refuses, parameters this engine cannot run on, a
+        gradient that is sparse, of another shape, device or dtype, or not contiguous. Changes nothing."""
+        if not params:
+            return
+        self._hparams(group)
+        self._check_device(params[0])
+        self._check_grads(params, grads)
+
     def _rebuild(
         self,
         group: dict,
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        states: list[dict],
+        indices: list[int],
         bucket: object = None,
         streamed: bool = False,
     ) -> _GroupCache:
-        opt = self.optimizer
         self._check_device(params[0])
         old = self._cache.get((id(group), bucket))
         same = old is not None and old.fmt == group["state_format"] and old.seed == group["seed"]
-        known = set(old.member_ids) if same else set()
-        stepping = {id(p) for p in params}
-        # Members: params stepping now plus those cached before (their counters stay in the new buffer).
-        members, member_grads = [], []
-        grad_of = dict(zip(map(id, params), grads))
+        stepping = {id(p): i for i, p in enumerate(params)}
+        # Members: params stepping now plus those cached before (their counters stay in the new buffer, their states
+        # and indices are those the old plan was built from).
+        members, member_grads, member_states, member_indices = [], [], [], []
         for p in group["params"]:
-            if id(p) in stepping or id(p) in known:
-                g = grad_of.get(id(p))
-                if g is None:
-                    g = p.grad if p.grad is not None else p  # a stand-in of the param's dtype for the plan key
+            i = stepping.get(id(p))
+            if i is not None:
                 members.append(p)
-                member_grads.append(g)
-        for p, g in zip(params, grads):  # every gradient before any state: a bad one then creates none
+                member_grads.append(grads[i])
+                member_states.append(states[i])
+                member_indices.append(indices[i])
+            elif same and id(p) in old.slot_of:
+                j = old.slot_of[id(p)]
+                members.append(p)
+                member_grads.append(p.grad if p.grad is not None else p)  # a stand-in of its dtype for the plan key
+                member_states.append(old.states[j])
+                member_indices.append(old.indices[j])
+        for p, g in zip(params, grads):  # every gradient before any change
             self._check_grad(p, g)
-        for p in params:
-            opt._init_state(p, group)
-        cache = _GroupCache(self, group, members, member_grads, streamed)
+        cache = _GroupCache(group, members, member_states, member_indices, member_grads, streamed)
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
         # that hold it would count on a stale buffer, so they go (gradient release may regroup tensors into buckets).
         for key in [k for k, c in self._cache.items() if k[0] == id(group) and k[1] != bucket]:
@@ -233,25 +265,31 @@ class TritonEngine:
         group: dict,
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
         bucket: object = None,
-        before_launch: Callable[[list], torch.Tensor | None] | None = None,
+        grad_scale: torch.Tensor | Callable[[list], torch.Tensor | None] | None = None,
         stager: Callable | None = None,
+        nonfinite=None,
     ) -> None:
         """Increment the step of ``params`` (the group's params with a gradient) and apply one AdamW update to them.
 
-        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``bucket``: a
-        hashable name of this subset of the group (gradient release steps a group bucket by bucket); each bucket keeps
-        its own launch plan, so one launch covers exactly its tensors. ``before_launch(plans)`` is called with the
-        launch plans once their gradient addresses are set, before their launches (gradient release computes the
-        bucket's norm from their address tables there); what it returns, an fp32 tensor of one element or None, is
-        the factor the kernels multiply each gradient by first (gradient release's clip coefficient). ``stager``: the
+        ``grads``: their ``.grad`` tensors, in the same order (the caller has read them already). ``states``,
+        ``tensor_indices``: their state dicts and random-stream indices, read only when a launch plan is (re)built.
+        ``bucket``: a hashable name of this subset of the group (gradient release steps a group bucket by bucket);
+        each bucket keeps its own launch plan, so one launch covers exactly its tensors. ``grad_scale``: None, an fp32
+        tensor of one element, or a callable ``grad_scale(plans)`` called with the launch plans once their gradient
+        addresses are set, before their launches (gradient release computes the bucket's norm from their address
+        tables there), returning such a tensor or None: the factor the kernels multiply each gradient by as they load
+        it (gradient release's clip coefficient), moved to the plans' device if it is elsewhere. ``nonfinite``: the
+        counters (``counts(device)``, ``serial``) the kernels count skipped non-finite blocks into. ``stager``: the
         state lives elsewhere and is staged on the device per launch (state offload): ``stager(plan, params, index)``
         of each launch plan (its params in plan order, its index in the bucket) yields ``(programs, state table)``,
         the plan is launched over those work items with the state addresses of that table
         (``LaunchPlan.state_table``), and the stager resumes once the launch is queued.
 
-        One function of ~110 lines: it runs once per bucket on the host's critical path (gradient release, and LoRA
-        steps of hundreds of small tensors are host-bound), and its parts share the cache entry and a dozen locals.
+        Host time here is on the critical path (once per bucket under gradient release; LoRA steps of hundreds of
+        small tensors are host-bound): the parts below are C-level passes over lists wherever the list is long.
         """
         if not params:
             return
@@ -264,6 +302,48 @@ class TritonEngine:
         except RuntimeError:  # a gradient without storage (sparse): say which and why, as the torch engine does
             self._check_grads(params, grads)
             raise
+        cache, ids = self._cache_for(group, params, grads, states, tensor_indices, bucket, stager is not None, ptrs)
+        step, scalars, uniform = self._step(cache, ids, hp)
+        device = cache.plans[0][0].device
+        if callable(grad_scale):
+            grad_scale = grad_scale([entry[0] for entry in cache.plans])
+        if grad_scale is not None and grad_scale.device != device:  # (ordered on the device's stream, not waited for)
+            grad_scale = grad_scale.to(device, non_blocking=device.type != "cpu")
+        flags = {
+            "nonfinite": None if nonfinite is None else (nonfinite.counts(device), nonfinite.serial),
+            "step": step,
+            "scalars": scalars,
+            "maximize": group["maximize"],
+            "stochastic_param": group["param_rounding"] == "stochastic",
+            "per_tensor_step": not uniform,
+            "grad_scale": grad_scale,
+            "check_nonfinite": self.check_nonfinite,
+        }
+        for i, (plan, _, _) in enumerate(cache.plans):
+            if stager is None:
+                plan.launch(**flags)
+                continue
+            for programs, table in stager(plan, cache.plan_members[i], i):
+                plan.launch(**flags, programs=programs, state_table=table)
+
+    def _cache_for(
+        self,
+        group: dict,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        states: list[dict],
+        tensor_indices: list[int],
+        bucket: object,
+        streamed: bool,
+        ptrs: list[int],
+    ) -> tuple[_GroupCache, list[int] | None]:
+        """The cache entry of (group, bucket), rebuilt when its params, format, seed, streaming or gradient dtypes
+        changed, with its plans' gradient addresses set to ``ptrs`` (new addresses are checked first). Also returns
+        the ids of ``params`` when they are not exactly the cached members in order (None when they are)."""
+
+        def rebuild():
+            return self._rebuild(group, params, grads, states, tensor_indices, bucket, streamed)
+
         cache = self._cache.get((id(group), bucket))
         full = (
             cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
@@ -272,33 +352,40 @@ class TritonEngine:
         if not full:
             ids = [id(p) for p in params]
             if cache is None or not all(i in cache.slot_of for i in ids):
-                cache = self._rebuild(group, params, grads, bucket, stager is not None)
+                cache = rebuild()
                 full = ids == cache.member_ids
-        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != (stager is not None):
-            cache = self._rebuild(group, params, grads, bucket, stager is not None)
+        if group["state_format"] != cache.fmt or group["seed"] != cache.seed or cache.streamed != streamed:
+            cache = rebuild()
             full = [id(p) for p in params] == cache.member_ids
         slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-        moved = slot_ptrs != cache.grad_ptrs
-        if moved:
-            # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
-            ids = ids or (cache.member_ids if full else [id(p) for p in params])
-            got = self._check_grads(params, grads, cache if full else None)
-            if full:
-                dtypes = got
-            else:
-                dtypes = list(cache.grad_dtypes)
-                for i, d in zip(ids, got):
-                    dtypes[cache.slot_of[i]] = d
-            if dtypes != cache.grad_dtypes:
-                cache = self._rebuild(group, params, grads, bucket, stager is not None)
-                full = ids == cache.member_ids
-                slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
-            cache.grad_ptrs = slot_ptrs
-            self.grad_moves += 1
-
-        # Step counters: all cached params in one add (on the numpy view of the counters' buffer: a fraction of the
-        # host time of a tensor operation), or only the stepping ones.
+        if slot_ptrs == cache.grad_ptrs:
+            return cache, None if full else ids
+        # New allocations: check them (dtype, shape, layout) before handing their addresses to the kernel.
+        ids = ids or (cache.member_ids if full else [id(p) for p in params])
+        got = self._check_grads(params, grads, cache if full else None)
         if full:
+            dtypes = got
+        else:
+            dtypes = list(cache.grad_dtypes)
+            for i, d in zip(ids, got):
+                dtypes[cache.slot_of[i]] = d
+        if dtypes != cache.grad_dtypes:
+            cache = rebuild()
+            full = ids == cache.member_ids
+            slot_ptrs = ptrs if full else self._slot_ptrs(cache, ids, ptrs)
+        cache.grad_ptrs = slot_ptrs
+        self.grad_moves += 1
+        for plan, slots, _ in cache.plans:
+            plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
+        return cache, None if full else ids
+
+    def _step(self, cache: _GroupCache, ids: list[int] | None, hp: dict[str, float]):
+        """Increment the step counters of the stepping params (all cached ones when ``ids`` is None) and return the
+        lowest step count among them, its scalars, and whether every stepping param is at that step. When they are not, each plan gets a
+        per-tensor table of step sizes (Python float math per distinct step count, exactly as the reference)."""
+        # All cached params in one add (on the numpy view of the counters' buffer: a fraction of the host time of a
+        # tensor operation), or only the stepping ones.
+        if ids is None:
             cache.steps_np += 1
             stepping = cache.steps_np
         else:
@@ -310,46 +397,22 @@ class TritonEngine:
             lo, hi = int(min(counts)), int(max(counts))
         else:
             lo, hi = int(stepping.min()), int(stepping.max())
-
-        uniform = lo == hi
-        if uniform:
+        if lo == hi:
             # gradient release steps a group bucket by bucket: the buckets of one step share their scalars
             key = (lo, *hp.values())
             if self._scalars_key != key:
                 self._scalars_key, self._scalars = key, ref.StepScalars.make(step=lo, **hp)
-            scalars = self._scalars
-        else:
-            # Python float math per distinct step count, exactly as the reference computes it.
-            table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
-            scalars = table[lo]
-        for plan, slots, slots_np in cache.plans:
-            if moved:  # the plans hold cache.grad_ptrs otherwise
-                plan.set_grad_ptrs(slot_ptrs if len(cache.plans) == 1 else [slot_ptrs[i] for i in slots])
-            if not uniform:
-                t = cache.steps_np[slots_np].astype(np.int64)
-                known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
-                plan.set_tensor_steps(
-                    t,
-                    [k.step_size if k else 0.0 for k in known],
-                    [k.inv_bc2_sqrt if k else 0.0 for k in known],
-                )
-        grad_scale = None if before_launch is None else before_launch([entry[0] for entry in cache.plans])
-        guard = getattr(self.optimizer, "_nonfinite", None)  # its counters of skipped non-finite gradients
-        flags = {
-            "nonfinite": None if guard is None else (guard.counts(cache.plans[0][0].device), guard.serial),
-            "step": lo,
-            "scalars": scalars,
-            "maximize": group["maximize"],
-            "stochastic_param": group["param_rounding"] == "stochastic",
-            "per_tensor_step": not uniform,
-            "grad_scale": grad_scale,
-        }
-        for i, (plan, _, _) in enumerate(cache.plans):
-            if stager is None:
-                plan.launch(**flags)
-                continue
-            for programs, table in stager(plan, cache.plan_members[i], i):
-                plan.launch(**flags, programs=programs, state_table=table)
+            return lo, self._scalars, True
+        table = {int(t): ref.StepScalars.make(step=int(t), **hp) for t in np.unique(stepping)}
+        for plan, _, slots_np in cache.plans:
+            t = cache.steps_np[slots_np].astype(np.int64)
+            known = [table.get(int(x)) for x in t]  # None: not stepping now (its kernel programs exit early)
+            plan.set_tensor_steps(
+                t,
+                [k.step_size if k else 0.0 for k in known],
+                [k.inv_bc2_sqrt if k else 0.0 for k in known],
+            )
+        return lo, table[lo], False
 
     @staticmethod
     def _slot_ptrs(cache: _GroupCache, ids: list[int], ptrs: list[int]) -> list[int]:

@@ -1,14 +1,16 @@
-"""Triton helpers of the block formats: 8-bit version 2 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
+"""Triton helpers of the block formats: 8-bit version 3 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
 4-bit version 2 (``reference.quantize_mv4`` / ``dequantize_mv4``).
 
 A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
 
-Both codes are minifloats with 4 exponent bits and exponent bias 15, the bias of IEEE fp16, and their subnormals are
-fp16's: the ``m`` magnitude (e4m3) is the fp16 whose bits are ``code << 7``, the ``v`` code (e4m4) the fp16 with bits
-``code << 6``, and the ``m`` sign goes to fp16's sign bit. So decoding is a shift, the exact fp16 -> fp32 conversion
-and the multiplication by the block's scale: ``reference.minifloat_value`` bit for bit (both are exact values).
+The 8-bit ``m`` code is a minifloat with 4 exponent bits and exponent bias 15, the bias of IEEE fp16, and its
+subnormals are fp16's: the magnitude (e4m3) is the fp16 whose bits are ``code << 7``, and the sign goes to fp16's sign
+bit. So decoding is a shift, the exact fp16 -> fp32 conversion and the multiplication by the block's scale:
+``reference.minifloat_value`` bit for bit (both are exact values). The 8-bit ``v`` code (e5m3, bias 31) is the fp32
+with bits ``code << 20`` times 2**96 (its subnormals fp32's), both exact, then times the scale.
 
-Encoding works on ``t = y * 2**-112`` (``y`` the normalized magnitude in [0, 1]). For ``y >= 2**-14`` the product is
+Encoding ``m`` works on ``t = y * 2**-112`` (``y`` the normalized magnitude in [0, 1]; ``v``: ``2**-96``, see
+:func:`quant_v`). For ``y >= 2**-14`` the product is
 exact and its bits are those of ``y`` less ``112 << 23``, the reference's exponent offset. For smaller ``y`` it is an
 fp32 subnormal, rounded to a multiple of 2**-149 = 2**-37 * 2**-112, to nearest even: exactly the reference's
 ``bits(y + 2**-14) - (113 << 23)`` (that sum's ulp is 2**-37, and it rounds to nearest even the same way). So one
@@ -39,12 +41,16 @@ from ._rounding import BF16_NAN, bf16_bits_to_f32, f32_bits
 
 TWO_POW_M112 = tl.constexpr(2.0**-112)
 
-# The random offsets of reference._rand_offset, pre-shifted left by 4 (m) and 5 (v): the code's lowest bit then is bit
-# 24. m: bits 10-15 of the word, at bits 18-23, plus half a unit (bit 17). v: bits 0-9 at bits 14-23, plus bit 13.
+# The random offsets of reference._rand_offset, pre-shifted left by 4: the code's lowest bit then is bit 24. m: bits
+# 0-5 of the word, at bits 18-23, plus half a unit (bit 17). v (8-bit version 3): bits 6-21 at bits 8-23, plus bit 7.
 M_RAND_MASK = tl.constexpr(0x3F << 18)
 M_HALF = tl.constexpr(1 << 17)
-V_RAND_MASK = tl.constexpr(0x3FF << 14)
-V_HALF = tl.constexpr(1 << 13)
+V8_RAND_MASK = tl.constexpr(0xFFFF << 8)
+V8_HALF = tl.constexpr(1 << 7)
+# 8-bit v (e5m3, bias 31): encoded on the bits of y * 2**-96, decoded as the fp32 with bits code << 20 times 2**96
+TWO_POW_M96 = tl.constexpr(2.0**-96)
+TWO_POW_96 = tl.constexpr(2.0**96)
+V8_HEADROOM = tl.constexpr(2.0)
 # 4-bit: one shift of the random word by W4_SHIFT puts bits 0-5 (m) at bits 22-27, right below the m code when the
 # magnitude's bits are added shifted left by 5, plus half a unit below them (reference._rand_offset with drop = 23).
 TWO_POW_M120 = tl.constexpr(2.0**-120)
@@ -76,9 +82,11 @@ def dequant_m(codes, scale_bits):
 
 
 @triton.jit
-def dequant_v(codes, scale_bits):
-    """uint8 e4m4 codes [R, B] and bf16 scale bits [R] -> fp32 second moment (``reference.dequantize_v``)."""
-    return _f16_bits_to_f32(codes.to(tl.uint16) << 6) * bf16_bits_to_f32(scale_bits)[:, None]
+def dequant_v(codes, scale):
+    """uint8 e5m3 codes [R, B] and fp32 scales [R] -> fp32 second moment (``reference.dequantize_v``, 8-bit format
+    version 3): the fp32 with bits ``code << 20`` is the code's value times 2**-96 (its exponent field the code's,
+    subnormal codes fp32 subnormals), exact; times 2**96, exact; times the scale, the reference's one rounding."""
+    return ((codes.to(tl.uint32) << 20).to(tl.float32, bitcast=True) * TWO_POW_96) * scale[:, None]
 
 
 @triton.jit
@@ -96,19 +104,15 @@ def _halves_to_f16(h2):
 
 
 @triton.jit
-def _decode_words(w, M: tl.constexpr):
-    """[R, W] words of four codes -> fp32 code values [R, 4 * W] in memory order (``M``: sign + e4m3, else e4m4).
+def _decode_words(w):
+    """[R, W] words of four sign + e4m3 ``m`` codes -> fp32 code values [R, 4 * W] in memory order.
 
     Two codes per 32-bit operation: bytes 0 and 2 go to the low and high halves of one word, bytes 1 and 3 to those
-    of another, as fp16 bit patterns (m: ``sign << 15 | magnitude << 7``; v: ``code << 6``). Each thread's words
-    become its consecutive elements, so the joins and the reshape move no data.
+    of another, as fp16 bit patterns (``sign << 15 | magnitude << 7``). Each thread's words become its consecutive
+    elements, so the joins and the reshape move no data.
     """
-    if M:
-        even = ((w << 7) & 0x3F803F80) | ((w << 8) & 0x80008000)
-        odd = ((w >> 1) & 0x3F803F80) | (w & 0x80008000)
-    else:
-        even = (w << 6) & 0x3FC03FC0
-        odd = (w >> 2) & 0x3FC03FC0
+    even = ((w << 7) & 0x3F803F80) | ((w << 8) & 0x80008000)
+    odd = ((w >> 1) & 0x3F803F80) | (w & 0x80008000)
     x = tl.join(_halves_to_f32(even), _halves_to_f32(odd))  # [R, W, 2 (bytes 0|1, 2|3), 2 (even, odd)]
     return tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
 
@@ -116,13 +120,19 @@ def _decode_words(w, M: tl.constexpr):
 @triton.jit
 def dequant_m_words(w, scale_bits):
     """``dequant_m`` on the codes packed four to a little-endian uint32 word [R, W] -> [R, 4 * W]."""
-    return _decode_words(w, True) * bf16_bits_to_f32(scale_bits)[:, None]
+    return _decode_words(w) * bf16_bits_to_f32(scale_bits)[:, None]
 
 
 @triton.jit
-def dequant_v_words(w, scale_bits):
-    """``dequant_v`` on the codes packed four to a little-endian uint32 word [R, W] -> [R, 4 * W]."""
-    return _decode_words(w, False) * bf16_bits_to_f32(scale_bits)[:, None]
+def dequant_v_words(w, scale):
+    """``dequant_v`` on the codes packed four to a little-endian uint32 word [R, W] -> [R, 4 * W]: each byte moved to
+    bits 20-27 of a word of its own (one shift and one mask each)."""
+    b0 = ((w << 20) & 0x0FF00000).to(tl.float32, bitcast=True)
+    b1 = ((w << 12) & 0x0FF00000).to(tl.float32, bitcast=True)
+    b2 = ((w << 4) & 0x0FF00000).to(tl.float32, bitcast=True)
+    b3 = ((w >> 4) & 0x0FF00000).to(tl.float32, bitcast=True)
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))  # [R, W, 2 (bytes 0|1, 2|3), 2 (even, odd)], as _decode_words
+    return (tl.reshape(x, (w.shape[0], 4 * w.shape[1])) * TWO_POW_96) * scale[:, None]
 
 
 @triton.jit
@@ -186,7 +196,7 @@ def after(inv):
 
 @triton.jit
 def quant_m(m, mask, bits, one):
-    """fp32 first moment [R, B] -> (uint8 sign + e4m3 codes, bf16 scale bits [R]); bits 10-15 of the 32 random
+    """fp32 first moment [R, B] -> (uint8 sign + e4m3 codes, bf16 scale bits [R]); bits 0-5 of the 32 random
     ``bits`` round it (``reference.quantize_m``).
 
     ``one``: uint32 1 (broadcast against [R, B]; 0 is allowed in rows that are not stored), a value that the compiler
@@ -195,17 +205,43 @@ def quant_m(m, mask, bits, one):
     """
     a = tl.abs(m)
     sbits, inv = block_scale(a, mask)
-    x = (scaled_bits(a, inv) << 4) + (((bits << 8) & M_RAND_MASK) | (one * M_HALF))
+    x = (scaled_bits(a, inv) << 4) + (((bits << 18) & M_RAND_MASK) | (one * M_HALF))
     c = x >> 24
     return tl.where(m < after(inv), c | 0x80, c).to(tl.uint8), sbits
 
 
 @triton.jit
-def quant_v(v, mask, bits, one):
-    """fp32 second moment [R, B] -> (uint8 e4m4 codes, bf16 scale bits [R]); nonzero v never gets code 0. Bits 0-9
-    of the 32 random ``bits`` round it (``reference.quantize_v``). ``one`` as in :func:`quant_m`."""
-    sbits, inv = block_scale(v, mask)
-    x = (scaled_bits(v, inv) << 5) + (((bits << 14) & V_RAND_MASK) | (one * V_HALF))
+def v8_scale(v, mask, prev, beta2):
+    """``reference.v8_scale`` of the rows of ``v >= 0`` [R, B] (NaN allowed): (fp32 scale bits [R], fp32 reciprocal
+    [R]). ``prev``: the fp32 scales stored before this step [R]; ``beta2``: the step's fp32 beta2.
+
+    The absmax is an integer max of the bits, as in :func:`block_scale` (NaN wins, made canonical); the envelope
+    ``prev * beta2`` is kept while the absmax is at or below it, else the scale restarts at twice the absmax. The
+    reciprocal of a zero scale is inf (see :func:`block_scale`).
+    """
+    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
+    a = amax.to(tl.float32, bitcast=True)
+    env = prev * beta2
+    s = tl.where(a <= env, env, a * V8_HEADROOM)
+    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, f32_bits(s))
+    s = sbits.to(tl.float32, bitcast=True)
+    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
+def quant_v(v, mask, bits, one, prev, beta2):
+    """fp32 second moment [R, B] -> (uint8 e5m3 codes, fp32 scale bits [R]); nonzero v never gets code 0. Bits 6-21
+    of the 32 random ``bits`` round it (``reference.quantize_v``, 8-bit format version 3). ``prev`` and ``beta2`` as in
+    :func:`v8_scale`, ``one`` as in :func:`quant_m`.
+
+    The code is that of the bits of ``y * 2**-96`` (``y`` the normalized ``v``), as for ``m`` with ``2**-112`` (module
+    docstring): for ``y >= 2**-30`` the product is exact and its bits are ``y``'s less ``96 << 23``, the reference's
+    exponent offset; below, an fp32 subnormal rounded to a multiple of 2**-149 = 2**-53 * 2**-96, to nearest even,
+    exactly the reference's ``bits(y + 2**-30) - (97 << 23)``.
+    """
+    sbits, inv = v8_scale(v, mask, prev, beta2)
+    y = tl.minimum(tl.maximum(v * inv[:, None], 0.0), 1.0)
+    x = (f32_bits(y * TWO_POW_M96) << 4) + (((bits << 2) & V8_RAND_MASK) | (one * V8_HALF))
     c = x >> 24
     return tl.where(v > after(inv), tl.maximum(c, 1), c).to(tl.uint8), sbits
 

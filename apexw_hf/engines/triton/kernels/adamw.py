@@ -22,8 +22,9 @@ A row of the tile whose gradient holds a NaN or an infinity is not written at al
 it), and the program adds the rows it skipped to the optimizer's counters last (:func:`_count_skipped`).
 
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
-``"8bit"`` uint8 minifloat codes (format version 2) with one bf16 scale per 256 elements; ``"4bit"`` both moments'
-4-bit codes in one byte per element (``exp_avg_mv``), one bf16 scale per 128 elements and moment. bf16/fp16
+``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
+fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``), one scale
+per 128 elements and moment. bf16/fp16
 parameters are rounded stochastically (``STOCHASTIC_PARAM``) or to nearest. With 8-bit or 4-bit state, a bf16
 parameter is rounded with the top 16 bits of the moments' random word (``reference.param_stream``), so the kernel
 hashes one word per element.
@@ -298,11 +299,12 @@ def _adamw_kernel(
                 sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
             ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            # format version 3: the v scales are fp32 (an envelope that the encoding reads back)
+            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
-            vsc = tl.load(vs_ptr + rows, mask=bmask, other=0)
+            vsc = tl.load(vs_ptr + rows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             if EVEN and ALIGNED:
                 # Whole blocks at 16-byte aligned addresses: the codes are read as uint32 words, four to a word, and
                 # decoded two at a time (see _quant.dequant_m_words).
@@ -335,8 +337,8 @@ def _adamw_kernel(
             tl.store(m_ptr + offs, m, mask=smask)
             tl.store(v_ptr + offs, v, mask=smask)
         else:
-            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-9 v,
-            # bits 10-15 m, and the top 16 a bf16 parameter; 4bit: bits 0-5 m, bits 6-21 v, the top 16 a parameter).
+            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit and 4bit:
+            # bits 0-5 m, bits 6-21 v, the top 16 a bf16 parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
                 tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=smask)
@@ -351,7 +353,7 @@ def _adamw_kernel(
                 # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
                 one = bmask.to(tl.uint32)[:, None]
                 cm, sm = quant_m(m, mask, bits_mv, one)
-                cv, sv = quant_v(v, mask, bits_mv, one)
+                cv, sv = quant_v(v, mask, bits_mv, one, vsc, beta2)
                 tl.store(mc_ptr + offs, cm, mask=smask)
                 tl.store(vc_ptr + offs, cv, mask=smask)
                 tl.store(ms_ptr + rows, sm, mask=sbmask)
@@ -394,4 +396,5 @@ def _adamw_kernel(
             tl.store(p_ptr + offs, ph, mask=smask)
         if SKIP_NONFINITE:
             # last: its branch and atomics then order nothing before them (loads would otherwise wait for it)
-            _count_skipped(nf_ptr, tidx_ptr, t, serial, ROWS - tl.sum(ok_row))
+            # rows past the tensor's end count for nothing (with a NaN grad_scale their zeros become NaN)
+            _count_skipped(nf_ptr, tidx_ptr, t, serial, tl.sum(((ok_row == 0) & (rows * QBLOCK < rest)).to(tl.int32)))

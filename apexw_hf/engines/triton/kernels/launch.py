@@ -73,11 +73,6 @@ LAUNCH_CONFIG = {
     "4bit": {4: (1, 1), 2: (1, 1)},
 }
 
-# Whether the kernel leaves blocks with a non-finite gradient un-updated (reference.nonfinite_blocks). Always on for
-# training: the one switch is for benchmarks/bench_step.py --nonfinite-check off, which times what the check costs
-# (the update is then not the reference's on non-finite gradients, and nothing is counted).
-CHECK_NONFINITE = True
-
 MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (LaunchPlan's maxnreg)
 
 # Register cap per thread (ptxas .maxnreg) of the default tile, by (format, parameter dtype, stochastic parameter
@@ -259,7 +254,7 @@ class LaunchPlan:
         self.grads_aligned = not (table & 15).any()
         _copy_from_host_(self.addr[ADDR_GRAD], torch.from_numpy(table))
 
-    def state_table(self, bases) -> "StateTable":
+    def state_table(self, bases) -> StateTable:
         """A state address table of this plan's tensors for :meth:`launch` (``state_table=``), from one dict per tensor
         (plan order) of state key -> the address of its element 0 (block 0 for a scale). A launch over a range of
         work items (``programs``) dereferences only that range's elements, so state offload stages a range in a
@@ -299,6 +294,7 @@ class LaunchPlan:
         nonfinite=None,
         programs=None,
         state_table=None,
+        check_nonfinite=True,
     ) -> None:
         """One launch over all tensors, or over the work items (chunks of ``rows * 256`` elements, numbered through
         the tensors in plan order: :attr:`chunk_starts`) ``programs = (first, end)``; the same bits either way.
@@ -311,7 +307,8 @@ class LaunchPlan:
         optimizer's int32 counters on the plan's device (``2 +`` its tensor count elements,
         :mod:`apexw_hf.optim.nonfinite`) and its step number: a block of 256 elements whose gradient is not finite
         is not written (``reference.nonfinite_blocks``) and is counted there; None counts into a buffer of the plan's
-        own (:meth:`own_counts`).
+        own (:meth:`own_counts`). ``check_nonfinite=False`` leaves that check out of the kernel (the update is then
+        not the reference's on non-finite gradients, and nothing is counted): only for timing what the check costs.
 
         The first launch of each specialization goes through Triton's JIT, which compiles (or finds) the kernel; later
         ones call that compiled kernel directly. The JIT's per-call work (binding and specializing ~30 arguments,
@@ -332,7 +329,7 @@ class LaunchPlan:
         with device_guard(self.device):
             self._launch(
                 step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end,
-                state_table,
+                state_table, check_nonfinite,
             )
 
     def own_counts(self) -> torch.Tensor:
@@ -351,7 +348,8 @@ class LaunchPlan:
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
     def _launch(
-        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end, state_table
+        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end, state_table,
+        check_nonfinite,
     ) -> None:
         s = scalars
         counts, serial = (self.own_counts(), 1) if nonfinite is None else nonfinite
@@ -395,7 +393,7 @@ class LaunchPlan:
             self.even,
             self.rows,
             grad_scale is not None,
-            CHECK_NONFINITE,
+            bool(check_nonfinite),
         )
         compiled = self._compiled.get(constexprs)
         if compiled is not None:
