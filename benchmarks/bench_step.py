@@ -91,25 +91,20 @@ def _apexw(fmt, engine, param_rounding="stochastic"):
     return make
 
 
-class _NoCheck:
+def _nocheck(fmt):
     """An ApexW whose Triton engine leaves out the kernel's non-finite gradient check
     (``TritonEngine(check_nonfinite=False)``): what the check costs is its row's time minus the same format's
     ``_triton`` row, timed in one process (``--optimizers apexw_8bit_triton apexw_8bit_nocheck ...``; name them twice,
     interleaved, to see the run-to-run spread). Not in the default list: not a configuration anyone trains with."""
 
-    def __init__(self, fmt, params):
+    def make(params):
         from apexw_hf.engines import triton_engine
 
-        self.opt = _apexw(fmt, "triton")(params)
-        self.state = self.opt.state
-        triton_engine(self.opt).check_nonfinite = False
+        opt = _apexw(fmt, "triton")(params)
+        triton_engine(opt).check_nonfinite = False
+        return opt
 
-    def step(self):
-        self.opt.step()
-
-
-def _nocheck(fmt):
-    return lambda params: _NoCheck(fmt, params)
+    return make
 
 
 def _torch(**kw):

@@ -103,7 +103,10 @@ class Engine(Protocol):
                 :func:`apexw_hf.formats.init_state`, or host copies with ``stager``); the engine updates their tensors
                 in place. The torch engine reads them at every call (and notices replaced step counters and moments
                 by identity); the Triton engine only when it (re)builds a launch plan: it keeps the plan's state
-                addresses until :meth:`invalidate`, so its per-step host time does not grow with the list.
+                addresses until :meth:`invalidate`, so its per-step host time does not grow with the list. Passing
+                the very list object of an earlier call again says that ``params`` are that call's tensors in the
+                same order (``ApexW`` reuses its lists only then): the Triton engine then skips its own identity
+                pass over ``params``, the largest per-tensor cost of a step of hundreds of small tensors.
             tensor_indices: the parameters' indices for the random streams (ints, in the same order; ``ApexW``
                 numbers the parameters of its param groups in order). Two parameters with the same index and the
                 same shape get the same random bits; the non-finite counts go to these indices. Read when a plan is

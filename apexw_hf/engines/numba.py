@@ -9,7 +9,7 @@ block scales and the new codes, in one pass over the chunk, the blocks split ove
 threads. The torch passes of :mod:`apexw_hf.engines.torch_passes` (about 64 operations per 8-bit chunk, each ending in
 a barrier of the threads) remain the path without numba, on CUDA, and for the other formats and fp16 parameters.
 
-The bits are those of ``reference.adamw_step_ref_`` (``tests/optim/test_numba_engine.py``): every fp32 operation is
+The bits are those of ``reference.adamw_step_ref_`` (``tests/engines/test_numba_engine.py``): every fp32 operation is
 the reference's, one IEEE operation in fp32 at a time (constants are fp32, no ``fastmath``, so no fused multiply-add
 and no reassociation), the square root is the fp32 instruction (correctly rounded), integer work is uint32 with
 wraparound, and the special values follow the reference's own rules, so no chunk needs another path: a NaN in a

@@ -54,7 +54,7 @@ of the same plan goes instead to one fused loop compiled by numba (:mod:`apexw_h
 one pass over the data instead of about 64 operations; docs/performance.md has the timings);
 without numba that is logged once, and ``TorchEngine.numba_used`` tells whether the fused path ran. Tensors that are
 not contiguous (a parameter or a state tensor) are stepped by ``reference.adamw_step_ref_`` itself.
-Results are bit-identical to the reference on every path (``tests/optim/test_torch_engine.py``), except for the sign
+Results are bit-identical to the reference on every path (``tests/engines/test_torch_engine.py``), except for the sign
 and payload bits of NaNs, which IEEE arithmetic leaves to the hardware.
 
 Interface (the ``Engine`` contract of :mod:`apexw_hf.engines`, as :class:`~apexw_hf.engines.triton.TritonEngine`)::
@@ -102,7 +102,7 @@ CHUNK = 1 << 19
 # On a CUDA device an int32 shift written into an int16 tensor (bf16 rounding, block scales) is computed in int16, not
 # in int32 as on the CPU: the passes keep such shifts in int32 (torch_passes' docstring; test_torch_engine.py
 # emulates the CUDA rule on the CPU). With that, every format with fp32, bf16 and fp16 parameters gives the
-# reference's bits on CUDA too (tests/optim/test_torch_engine_cuda.py, GPU only), so no combination is refused there.
+# reference's bits on CUDA too (tests/engines/test_torch_engine_cuda.py, GPU only), so no combination is refused there.
 
 
 _NUMBA_ENGINE = None  # apexw_hf.engines.numba once imported; False when numba cannot be imported

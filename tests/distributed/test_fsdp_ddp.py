@@ -1,12 +1,10 @@
 """ApexW under FSDP2 (DTensor shards) and DDP, with the gloo backend on CPU, and distributed checkpoints."""
 
 import os
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from apexw_hf import ApexW
 from apexw_hf import dtensor as dt
@@ -17,12 +15,6 @@ from . import workers as w
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
 FORMATS = ("fp32", "compact", "8bit", "4bit")
-
-
-def _spawn(fn, world, *args):
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(fn, args=(world, os.path.join(tmp, "store"), tmp, *args), nprocs=world, join=True)
-        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world)]
 
 
 def _fsdp_train(rank, world, store, out, fmt):
@@ -69,7 +61,7 @@ def _fsdp_train(rank, world, store, out, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fsdp2_trains_on_local_shards(fmt):
-    results = _spawn(_fsdp_train, 2, fmt)
+    results = w.spawn(_fsdp_train, 2, fmt)
     for r in results:
         assert r["placements_ok"]
         assert r["losses"][-1] < 0.1 * r["losses"][0]
@@ -150,7 +142,7 @@ def resume_once(rank, world, out, fmt, full):
 @pytest.mark.parametrize("full", [False, True], ids=["sharded", "full_state_dict"])
 @pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_fsdp2_checkpoint_resume_is_exact(fmt, full):
-    results = _spawn(_fsdp_resume, 2, fmt, full)
+    results = w.spawn(_fsdp_resume, 2, fmt, full)
     assert all(r["equal"] for r in results), [(r["equal"], r["where"]) for r in results]
     assert all(r["where"] is None for r in results), [r["where"] for r in results]
 
@@ -168,7 +160,7 @@ def _ddp_train(rank, world, store, out, fmt):
 
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 def test_ddp_replicas_stay_identical(fmt):
-    results = _spawn(_ddp_train, 2, fmt)
+    results = w.spawn(_ddp_train, 2, fmt)
     assert results[0]["losses"][-1] < 0.2 * results[0]["losses"][0]
     for a, b in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(a, b), "stochastic rounding must draw the same bits on every replica"
@@ -216,8 +208,8 @@ def _load_sharded(rank, world, store, out, fmt, ckpt):
 @pytest.mark.parametrize("fmt", ["compact", "8bit", "4bit"])
 def test_fsdp2_checkpoint_at_another_world_size(fmt, tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    saved = _spawn(_save_sharded, 2, fmt, ckpt)[0]
-    loaded = _spawn(_load_sharded, 1, fmt, ckpt)[0]
+    saved = w.spawn(_save_sharded, 2, fmt, ckpt)[0]
+    loaded = w.spawn(_load_sharded, 1, fmt, ckpt)[0]
     if fmt == "compact":  # moments reshard like the parameter
         assert "error" not in loaded, loaded.get("error")
         for key, value in saved.items():
@@ -244,7 +236,7 @@ def _fsdp_engines(rank, world, store, out, fmt):
 @pytest.mark.parametrize("fmt", ["8bit", "compact", "4bit"])
 def test_fsdp2_triton_engine_matches_torch_path_on_shards(fmt):
     pytest.importorskip("triton")
-    results = _spawn(_fsdp_engines, 2, fmt)
+    results = w.spawn(_fsdp_engines, 2, fmt)
     for r in results:
         for a, b in zip(r["torch"], r["triton"]):
             assert torch.equal(a, b)
@@ -291,6 +283,6 @@ def _fsdp_convert(rank, world, store, out, src, dst):
 
 @pytest.mark.parametrize("src, dst", [("compact", "8bit"), ("compact", "4bit"), ("4bit", "8bit"), ("8bit", "4bit")])
 def test_fsdp2_state_converts_between_formats_on_shards(src, dst):
-    for r in _spawn(_fsdp_convert, 2, src, dst):
+    for r in w.spawn(_fsdp_convert, 2, src, dst):
         assert r["dtype"] == "torch.uint8" and r["block_shards"] == 2 and r["deterministic"] and r["finite"]
         assert r["local_scales"] == r["expected_scales"]

@@ -9,7 +9,6 @@ from apexw_hf import dtensor as dt
 from apexw_hf import reference as ref
 
 from . import workers as w
-from .test_fsdp_ddp import _spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
@@ -52,7 +51,7 @@ def _export_and_continue(rank, world, store, out, fmt):
 @pytest.mark.parametrize("fmt", ["fp32", "8bit", "4bit"])
 def test_fsdp2_export_continues_in_torch_adamw(fmt):
     """Local-shard fp32 moments, DTensor moments in the export, and torch AdamW continuing from them."""
-    for r in _spawn(_export_and_continue, 2, fmt):
+    for r in w.spawn(_export_and_continue, 2, fmt):
         assert r["checks"] and all(r["checks"])
         for a, b in zip(r["apexw"], r["torch"]):
             # fp32 state: torch's update and ApexW's agree to fp32 rounding; 8-bit: the same moments, a

@@ -13,7 +13,6 @@ import torch.distributed as dist
 from apexw_hf import ApexW
 
 from . import workers as w
-from .test_fsdp_ddp import _spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
@@ -235,7 +234,7 @@ def _fsdp_release(rank, world, store, out):
 
 @pytest.fixture(scope="module")
 def fsdp_results():
-    return _spawn(_fsdp_release, 2)  # one spawn for every test of this file: starting the ranks costs seconds
+    return w.spawn(_fsdp_release, 2)  # one spawn for every test of this file: starting the ranks costs seconds
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

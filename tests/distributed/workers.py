@@ -1,11 +1,20 @@
-"""Code that runs inside the spawned ranks of tests/distributed (gloo, CPU)."""
+"""The ranks of tests/distributed (gloo, CPU): :func:`spawn` starts them, the rest runs inside them."""
 
 import os
 import sys
+import tempfile
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def spawn(fn, world, *args):
+    """Run ``fn(rank, world, store_file, out_dir, *args)`` on ``world`` ranks; each rank's :func:`save_result`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(fn, args=(world, os.path.join(tmp, "store"), tmp, *args), nprocs=world, join=True)
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=True) for r in range(world)]
 
 
 def init(rank, world, store_file):

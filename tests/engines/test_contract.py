@@ -31,7 +31,7 @@ from apexw_hf import ApexW, engines
 
 from ..kernels.helpers import DEVICE as TRITON_DEVICE
 from ..optim.helpers import FORMATS
-from ..optim.test_torch_engine import assert_same, reference_step
+from .helpers import assert_same, reference_step
 
 ENGINES = ["torch+numba", "torch", "triton"]
 SPEC = [((1,), torch.float32), ((255,), torch.float32), ((257,), torch.bfloat16), ((33, 65), torch.float32)]

@@ -5,7 +5,7 @@ import torch
 
 from apexw_hf.optim import ApexW
 
-from ..optim.test_gradient_release import groups, make, train
+from ..optim.release_model import groups, make, train
 from .helpers import DEVICE
 
 

@@ -11,7 +11,7 @@ from apexw_hf import reference as ref
 from apexw_hf.engines.triton.kernels import adamw_step_
 from apexw_hf.optim import ApexW
 
-from ..optim.test_gradient_release import groups, loss_of, make
+from ..optim.release_model import groups, loss_of, make
 from .helpers import DEVICE, DTYPES, mismatch, same_bits
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)

@@ -10,7 +10,7 @@ from apexw_hf.accounting import optimizer_state_placement
 from apexw_hf.optim import ApexW
 from apexw_hf.optim import offload as offload_mod
 
-from ..optim.test_gradient_release import groups, make, train, train_from
+from ..optim.release_model import groups, make, train, train_from
 from .helpers import DEVICE
 
 FORMATS = ["compact", "8bit", "4bit", "fp32"]

@@ -79,6 +79,8 @@ class _GroupCache:
         self.members = members
         self.states = states  # the members' state dicts and tensor indices (a later rebuild keeps those not stepping)
         self.indices = indices
+        self.given_states = None  # the list object ``states`` of the step_group call that built it, where members
+        # are exactly that call's params
         self.member_ids = [id(p) for p in members]
         self.slot_of = {id(p): i for i, p in enumerate(members)}
         self.fmt = group["state_format"]
@@ -217,6 +219,8 @@ class TritonEngine:
         for p, g in zip(params, grads):  # every gradient before any change
             self._check_grad(p, g)
         cache = _GroupCache(group, members, member_states, member_indices, member_grads, streamed)
+        if cache.member_ids == list(map(id, params)):  # ``states`` then names exactly the members (_cache_for)
+            cache.given_states = states
         # A param's step counter is a view into the buffer of the cache built last for it: other caches of this group
         # that hold it would count on a stale buffer, so they go (gradient release may regroup tensors into buckets).
         for key in [k for k, c in self._cache.items() if k[0] == id(group) and k[1] != bucket]:
@@ -345,8 +349,9 @@ class TritonEngine:
             return self._rebuild(group, params, grads, states, tensor_indices, bucket, streamed)
 
         cache = self._cache.get((id(group), bucket))
-        full = (
-            cache is not None and len(params) == len(cache.members) and all(map(operator.is_, params, cache.members))
+        full = cache is not None and (
+            states is cache.given_states  # the caller's list of the build: the same params (Engine.step_group)
+            or (len(params) == len(cache.members) and all(map(operator.is_, params, cache.members)))
         )
         ids = None
         if not full:

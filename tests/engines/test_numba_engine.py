@@ -2,8 +2,9 @@
 against ``reference.adamw_step_ref_``, bit for bit, and the torch passes it replaces (still the path without numba,
 on CUDA, and for fp16 parameters) on the same cases.
 
-Most cases are those of ``test_torch_engine.py``, run here once per path (``path`` fixture): ``numba`` checks that
-every chunk went through the kernel, ``torch-passes`` switches it off (``TorchEngine.use_numba``). The rest are
+Most cases are those of ``test_torch_engine.py`` (``cpu_cases.py``), run here once per path (``path`` fixture):
+``numba`` checks that every chunk went through the kernel, ``torch-passes`` switches it off
+(``TorchEngine.use_numba``). The rest are
 cases of the kernel's own arithmetic: codes at every boundary through the whole step (``betas=(0, 0)`` makes the
 stored moments ``m = g`` and ``v = g * g``), every code decoded under extreme scales, square roots over the whole
 fp32 range, thread counts, and the fallback when numba cannot be imported.
@@ -20,8 +21,9 @@ import apexw_hf.engines
 from apexw_hf import ApexW, reference
 from apexw_hf.engines import torch as torch_engine
 
-from . import test_torch_engine as tte
-from .helpers import SHAPES
+from ..optim.helpers import SHAPES
+from . import cpu_cases as cases
+from .helpers import assert_same, reference_step
 
 try:
     from apexw_hf.engines import numba as numba_engine
@@ -57,11 +59,11 @@ def path(request, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@tte.OPTIONS
+@cases.OPTIONS
 def test_matches_reference(path, fmt, dtype, options):
     """Tensors of 1, 255, 256, 257, 4095, 4097, 33x65, 4096, 8193 and 64x130 elements (in place, split across
     chunks, packed with block padding), four steps."""
-    tte.test_matches_reference(None, fmt, dtype, options)
+    cases.matches_reference(fmt, dtype, options)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -69,66 +71,66 @@ def test_matches_reference(path, fmt, dtype, options):
 def test_special_values(path, fmt, dtype):
     """Signed zeros, subnormals, values near the fp32 maximum, an all-zero block, a block with one huge value, inf
     and NaN gradients (confined to their tensor, the NaN to its block)."""
-    tte.test_special_values(None, fmt, dtype)
+    cases.special_values(fmt, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_state_at_extreme_scales(path, dtype):
-    tte.test_8bit_state_at_extreme_scales(None, dtype)
+    cases.eight_bit_state_at_extreme_scales(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_4bit_state_at_extreme_scales(path, dtype):
-    tte.test_4bit_state_at_extreme_scales(None, dtype)
+    cases.four_bit_state_at_extreme_scales(dtype)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_groups_missing_grads_and_unequal_steps(path, fmt):
-    tte.test_groups_missing_grads_and_unequal_steps(None, fmt)
+    cases.groups_missing_grads_and_unequal_steps(fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mixed_param_and_grad_dtypes(path, fmt):
     """fp32, bf16 and fp16 parameters (fp16 on the torch passes) with fp32 and bf16 gradients."""
-    tte.test_mixed_param_and_grad_dtypes(None, fmt)
+    cases.mixed_param_and_grad_dtypes(fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_non_contiguous_param_and_grad(path, fmt):
-    tte.test_non_contiguous_param_and_grad(None, fmt)
+    cases.non_contiguous_param_and_grad(fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_resume_matches_unbroken_reference(path, fmt, dtype):
-    tte.test_resume_matches_unbroken_reference(None, fmt, dtype)
+    cases.resume_matches_unbroken_reference(fmt, dtype)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_load_state_dict_replaces_the_cached_plan(path, fmt):
-    tte.test_load_state_dict_replaces_the_cached_plan(None, fmt)
+    cases.load_state_dict_replaces_the_cached_plan(fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_state_edits_between_steps_are_honored(path, fmt):
-    tte.test_state_edits_between_steps_are_honored(None, fmt)
+    cases.state_edits_between_steps_are_honored(fmt)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_torch_passes_with_cuda_semantics(monkeypatch, fmt, dtype):
-    """The torch passes under CUDA's dtype rules (test_torch_engine.py's test, which would now reach the numba
+    """The torch passes under CUDA's dtype rules (test_torch_engine.py's case, which would now reach the numba
     path for these dtypes)."""
     monkeypatch.setattr(torch_engine.TorchEngine, "use_numba", False)
     monkeypatch.setattr(torch_engine, "CHUNK", 4096)
-    tte.test_matches_reference_with_cuda_semantics(None, monkeypatch, fmt, dtype)
+    cases.matches_reference_with_cuda_semantics(monkeypatch, fmt, dtype)
 
 
 @needs_numba
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_default_chunk_size(fmt):
     """The shipped chunk size: a tensor in place over two chunks, its packed tail and small tensors."""
-    tte.test_default_chunk_size(fmt)
+    cases.default_chunk_size(fmt)
 
 
 # ---- the kernel's arithmetic ----------------------------------------------------------------------------------
@@ -136,15 +138,15 @@ def test_default_chunk_size(fmt):
 
 def _one_step(values, grads, dtype=torch.float32, steps=1, fmt="8bit", **kw):
     """The engine and the reference from the same parameters, ``steps`` steps of ``grads``."""
-    opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format=fmt, seed=21, **kw)
-    tte._run(opt_a, pa, opt_b, pb, [grads] * steps)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+    opt_a, pa, opt_b, pb = cases.twins(values, dtype, state_format=fmt, seed=21, **kw)
+    cases.run(opt_a, pa, opt_b, pb, [grads] * steps)
+    assert_same(opt_a, pa, opt_b, pb)
     assert opt_a._cpu_engine.numba_used
     return opt_a, pa
 
 
 @needs_numba
-@pytest.mark.parametrize("top", tte._SCALES)
+@pytest.mark.parametrize("top", cases.SCALES)
 @pytest.mark.parametrize("moment", ["m", "v"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_codes_at_every_boundary(fmt, top, moment):
@@ -154,8 +156,8 @@ def test_codes_at_every_boundary(fmt, top, moment):
     directly and for ``v`` through ``g = sqrt(target)``."""
     blk = reference.BLOCK if fmt == "8bit" else reference.BLOCK4
     gen = torch.Generator().manual_seed(1)
-    near = [tte._near_every_code(3), tte._near_every_code(4)]
-    near += [tte._near_every_code(0, reference.M4_BIAS), tte._near_every_code(0)]
+    near = [cases.near_every_code(3), cases.near_every_code(4)]
+    near += [cases.near_every_code(0, reference.M4_BIAS), cases.near_every_code(0)]
     y = torch.cat([*near, torch.rand(1024, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-13])
     y = y[torch.randperm(y.numel(), generator=gen)]
     y = torch.cat([y, y.new_zeros(-y.numel() % blk + blk)]).view(-1, blk)  # the last block all zero
@@ -191,7 +193,7 @@ def test_every_code_decoded_under_extreme_scales(fmt, dtype):
     gen = torch.Generator().manual_seed(4)
     values = [torch.randn(n, generator=gen)]
     for g in (torch.zeros(n), torch.randn(n, generator=gen)):
-        opt_a, pa, opt_b, pb = tte._twins(values, dtype, state_format=fmt, lr=1e-3)
+        opt_a, pa, opt_b, pb = cases.twins(values, dtype, state_format=fmt, lr=1e-3)
         for opt, ps in ((opt_a, pa), (opt_b, pb)):
             state = opt._init_state(ps[0], opt.param_groups[0])
             if fmt == "8bit":
@@ -201,8 +203,8 @@ def test_every_code_decoded_under_extreme_scales(fmt, dtype):
                 state["exp_avg_mv"].copy_(codes)
             state["exp_avg_scale"].copy_(scales)
             state["exp_avg_sq_scale"].copy_(scales.flip(0))
-        tte._run(opt_a, pa, opt_b, pb, [[g]])
-        tte.assert_same(opt_a, pa, opt_b, pb)
+        cases.run(opt_a, pa, opt_b, pb, [[g]])
+        assert_same(opt_a, pa, opt_b, pb)
         assert opt_a._cpu_engine.numba_used
 
 
@@ -228,7 +230,7 @@ def test_thread_count_follows_torch(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        values, grads = tte._random([(3000,), (70000,)], steps=2, seed=9)
+        values, grads = cases.random_case([(3000,), (70000,)], steps=2, seed=9)
         for row in grads:
             _one_step(values, row, lr=1e-2)
         assert numba.get_num_threads() == min(threads, numba.config.NUMBA_NUM_THREADS)
@@ -241,8 +243,8 @@ def test_thread_count_follows_torch(threads):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_gradient_dtypes(fmt, dtype):
     """fp32, bf16 and fp16 gradients of fp32 parameters (fp16 ones widened into the scratch first)."""
-    values, grads = tte._random([(5000,), (300,)], steps=3, seed=10)
-    pa, pb = tte._make(values, torch.float32), tte._make(values, torch.float32)
+    values, grads = cases.random_case([(5000,), (300,)], steps=3, seed=10)
+    pa, pb = cases.make_params(values, torch.float32), cases.make_params(values, torch.float32)
     for p in pa + pb:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = None
@@ -251,8 +253,8 @@ def test_gradient_dtypes(fmt, dtype):
         for x, y, g in zip(pa, pb, row):
             x.grad, y.grad = g.to(dtype), g.to(dtype)
         opt_a.step()
-        tte.reference_step(opt_b)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+        reference_step(opt_b)
+    assert_same(opt_a, pa, opt_b, pb)
     assert opt_a._cpu_engine.numba_used
 
 
@@ -291,11 +293,11 @@ def test_without_numba_the_torch_passes_run_and_say_so(monkeypatch, caplog):
     monkeypatch.delitem(sys.modules, "apexw_hf.engines.numba", raising=False)
     monkeypatch.delattr(apexw_hf.engines, "numba", raising=False)
     monkeypatch.setattr(torch_engine, "_NUMBA_ENGINE", None)
-    values, grads = tte._random([(300,), (5000,)], steps=2, seed=11)
-    opt_a, pa, opt_b, pb = tte._twins(values, torch.float32, state_format="8bit", lr=1e-2)
+    values, grads = cases.random_case([(300,), (5000,)], steps=2, seed=11)
+    opt_a, pa, opt_b, pb = cases.twins(values, torch.float32, state_format="8bit", lr=1e-2)
     with caplog.at_level(logging.WARNING, logger=torch_engine.__name__):
-        tte._run(opt_a, pa, opt_b, pb, grads)
-    tte.assert_same(opt_a, pa, opt_b, pb)
+        cases.run(opt_a, pa, opt_b, pb, grads)
+    assert_same(opt_a, pa, opt_b, pb)
     assert not opt_a._cpu_engine.numba_used
     warnings = [r.getMessage() for r in caplog.records if "numba" in r.getMessage()]
     assert len(warnings) == 1 and "pip install" in warnings[0]  # once, not per step

@@ -15,8 +15,8 @@ import torch
 
 from apexw_hf import ApexW
 
-from .helpers import FORMATS, same_bits
-from .test_torch_engine import reference_step
+from ..optim.helpers import FORMATS, same_bits
+from .helpers import reference_step
 
 pytestmark = pytest.mark.gpu
 
