@@ -372,6 +372,10 @@ class StateOffload:
             self.host_state(p, group)
         fresh = slot.buffer is None or slot.buffer.numel() < piece.size
         if fresh:
+            # the pieces' cached copies into this slot view its old buffer: dropped, so that buffer is freed
+            for _, pieces in self._cuts.values():
+                for other in pieces:
+                    other.copies.pop(index, None)
             grown = max([piece.size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
             slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then

@@ -161,6 +161,23 @@ def test_whole_tensors_move_in_one_copy_and_checkpoints_hold_only_the_state(fmt,
     assert all(len(copies) == 1 for piece in _pieces(off) for _, copies in piece.copies.values())
 
 
+def test_a_grown_device_buffer_is_not_kept_alive_by_cached_copies(monkeypatch):
+    """The device buffers grow during the first step (pieces of 1, 1.5 and 2 KiB here); a replaced buffer is referenced
+    by nothing of the offload's, the pieces' cached copy views included, so the device memory it held is free again
+    at once (not when each piece next passes through that buffer)."""
+    monkeypatch.setattr(offload_mod, "PIECE_BYTES", 3000)
+    model = make().to(DEVICE)
+    opt = _opt(model, "8bit", True, True)
+    train(model, opt, 1)
+    off = opt._offload
+    assert len({piece.size for piece in _pieces(off)}) > 1
+    live = [s.buffer.data_ptr() for s in off.slots if s.buffer is not None]
+    for piece in _pieces(off):
+        for index, (base, copies) in piece.copies.items():
+            assert base == off.slots[index].buffer.data_ptr()
+            assert all(dst.untyped_storage().data_ptr() in live for _, dst in copies)
+
+
 def test_export_and_dequantized_state_match_the_device_run():
     a, b = make().to(DEVICE), make().to(DEVICE)
     oa, ob = _opt(a, "4bit", False, True), _opt(b, "4bit", True, True)
