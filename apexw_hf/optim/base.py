@@ -18,7 +18,7 @@ from .. import formats as st
 from .. import reference as ref
 from ..hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
-from .offload import StateOffload, default_piece_bytes, to_host
+from .offload import StateOffload, default_piece_bytes
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -771,7 +771,8 @@ class ApexW(torch.optim.Optimizer):
             self._release.check_saved(release_state)  # before anything is replaced
         if self._offload is not None:
             self._offload.invalidate()  # before the host tensors its copies read and write are replaced
-            state = defaultdict(dict, {k: to_host(v) if isinstance(k, torch.Tensor) else v for k, v in state.items()})
+            host = self._offload.load_host
+            state = defaultdict(dict, {k: host(k, v) if isinstance(k, torch.Tensor) else v for k, v in state.items()})
         self.__setstate__({"state": state, "param_groups": groups})
         self._group_index = {}
         if self._release is not None:

@@ -64,6 +64,10 @@ def default_piece_bytes(state_bytes: int) -> int:
 
 
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
+# Host state is taken from blocks of this many bytes (a parameter whose state is larger gets a block of its own): the
+# state tensors of consecutive parameters lie one after the other, each at a multiple of ALIGN, as a piece lays them
+# out in its slot, so a piece of whole tensors is one copy each way instead of one per tensor.
+ARENA_BYTES = 256 * 2**20
 
 
 def _align(n: int) -> int:
@@ -72,20 +76,6 @@ def _align(n: int) -> int:
 
 def _tensor_keys(state: dict) -> list[str]:
     return [k for k in st.STATE_KEYS if k in state]
-
-
-def to_host(state: dict) -> dict:
-    """A parameter's state entry with its tensors copied into new host memory (pinned where CUDA is there), as the
-    offload keeps them: never the loaded state dict's own tensors, which the copies out would then overwrite.
-    ``step`` stays the 0-dim CPU tensor it is."""
-    pin = torch.cuda.is_available()
-    out = {}
-    for k, v in state.items():
-        if k != "step" and isinstance(v, torch.Tensor):
-            host = torch.empty(v.shape, dtype=v.dtype, device="cpu", pin_memory=pin)
-            v = host.copy_(v)
-        out[k] = v
-    return out
 
 
 def host_bytes_available() -> int | None:
@@ -105,12 +95,13 @@ class _Piece:
     ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
     (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
 
-    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size", "tables")
+    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size", "tables", "copies")
 
     def __init__(self, key: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
         self.key, self.programs, self.ranges, self.params = key, programs, ranges, params
         self.tensors = tensors  # of the plan
         self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
+        self.copies: dict[int, tuple[int, list]] = {}  # slot index -> (its buffer's address, [(host, slot) views])
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
 
 
@@ -151,6 +142,11 @@ class StateOffload:
         self._cuts: dict[tuple, tuple[object, list[_Piece]]] = {}  # (launch key, plan index) -> (plan, its pieces)
         # id(param) -> {(key, first unit, end unit): event after that range's last copy out} (CUDA)
         self._host_ready: dict[int, dict[tuple, object]] = {}
+        self._blocks: list[torch.Tensor] = []  # the host memory the state tensors are views of (uint8)
+        self._filling: int | None = None  # the block new state is taken from, and its first free byte
+        self._free = 0
+        # (id(param), key) -> (block, offset, bytes, address) of a state tensor taken from the blocks
+        self._where: dict[tuple[int, str], tuple[int, int, int, int]] = {}
         self.bytes_in = 0  # bytes copied host -> device since construction
         self.bytes_out = 0  # bytes copied device -> host
         self.hits = 0  # pieces whose state was on the device already (prefetched or resident)
@@ -159,21 +155,69 @@ class StateOffload:
     # ---- placement -------------------------------------------------------------------------------------------
 
     def host_state(self, p: torch.Tensor, group: dict) -> dict:
-        """``optimizer.state[p]``, created in (pinned) host memory if it is new."""
+        """``optimizer.state[p]``, created in (pinned) host memory if it is new: zeros, its tensors taken one after
+        the other from the current host block (:data:`ARENA_BYTES`)."""
         state = self.optimizer.state[p]
         if not state:
-            pin = p.device.type == "cuda"
-            fmt = group["state_format"]
+            meta = st.init_state(p, group["state_format"], device=torch.device("meta"))
+            keys = _tensor_keys(meta)
+            need = sum(_align(meta[k].numel() * meta[k].element_size()) for k in keys)
             try:
-                state.update(st.init_state(p, fmt, device=torch.device("cpu"), pin_memory=pin))
+                block, start = self._take(need, p.device.type == "cuda")
             except RuntimeError as e:
-                nbytes = st.state_tensor_bytes(st.init_state(p, fmt, device=torch.device("meta")))
                 raise RuntimeError(
-                    f"state_offload=True: could not allocate {nbytes} bytes of pinned host memory for the state of a "
+                    f"state_offload=True: could not allocate {need} bytes of pinned host memory for the state of a "
                     f"parameter of shape {tuple(p.shape)} ({e}). Free host memory, use a smaller state_format "
                     "('4bit'), or turn state_offload off."
                 ) from e
+            state["step"] = meta["step"].new_zeros((), device="cpu")
+            off = start
+            for k in keys:
+                n = meta[k].numel() * meta[k].element_size()
+                state[k] = self._view(block, off, n, meta[k])
+                self._where[(id(p), k)] = (block, off, n, state[k].data_ptr())
+                off += _align(n)
         return state
+
+    def load_host(self, p: torch.Tensor, entry: dict) -> dict:
+        """A loaded state entry of ``p`` as the offload keeps it: each tensor copied into ``p``'s host state tensor of
+        that key where it has one of the same shape and dtype, else into new host memory from the blocks; never the
+        loaded state dict's own tensors, which the copies out would then overwrite. ``step`` stays the 0-dim CPU
+        tensor it is. Called after :meth:`invalidate` (no copy is in flight)."""
+        old = self.optimizer.state.get(p, {})
+        out = {}
+        for k, v in entry.items():
+            if k != "step" and isinstance(v, torch.Tensor):
+                cur = old.get(k)
+                where = self._where.get((id(p), k))
+                fits = cur is not None and cur.shape == v.shape and cur.dtype == v.dtype
+                if not fits or where is None or where[3] != cur.data_ptr():
+                    n = v.numel() * v.element_size()
+                    block, off = self._take(_align(n), p.device.type == "cuda")
+                    cur = self._view(block, off, n, v)
+                    self._where[(id(p), k)] = (block, off, n, cur.data_ptr())
+                v = cur.copy_(v)
+            out[k] = v
+        return out
+
+    def _take(self, nbytes: int, pin: bool) -> tuple[int, int]:
+        """``nbytes`` of zeroed host memory: (block index, offset), from the block being filled or a new one of
+        ``ARENA_BYTES``, or of the next power of two above ``nbytes`` (what the pinned allocator takes anyway), whose
+        rest the next parameters fill."""
+        cur = self._filling
+        if cur is not None and self._free + nbytes <= self._blocks[cur].numel():
+            start, self._free = self._free, self._free + nbytes
+            return cur, start
+        size = max(ARENA_BYTES, 1 << (nbytes - 1).bit_length())
+        self._blocks.append(torch.zeros(size, dtype=torch.uint8, pin_memory=pin))
+        self._filling, self._free = len(self._blocks) - 1, nbytes
+        return self._filling, 0
+
+    def _view(self, block: int, off: int, nbytes: int, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped and typed like ``like`` over ``nbytes`` of ``block`` at ``off``, with a storage of its own
+        (``torch.save`` of a state dict writes its bytes, not the whole block's)."""
+        raw = torch.from_numpy(self._blocks[block].numpy()[off : off + nbytes])
+        return raw.view(like.dtype).view(like.shape)
 
     def _bind(self, device: torch.device) -> None:
         if self.device is not None:
@@ -278,19 +322,17 @@ class StateOffload:
     def _done(self, slot: _Slot, piece: _Piece) -> None:
         """After the launch that updated ``slot``: copy it back to the host copies (on the copy-out stream, once the
         launch is done), and prefetch the next pieces."""
-        host = self.optimizer.state
-        pairs = [(host[p][k].view(-1)[u0:u1], slot.buffer[off : off + (u1 - u0) * b]) for _, p, k, u0, u1, b, off in
-                 piece.ranges]
+        pairs = self._copies(self.slots.index(slot), piece)
         if self._d2h is None:
             for dst, src in pairs:
-                dst.view(torch.uint8).copy_(src)
+                dst.copy_(src)
         else:
             launched = torch.cuda.Event()
             launched.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._d2h):
                 self._d2h.wait_event(launched)
                 for dst, src in pairs:
-                    dst.view(torch.uint8).copy_(src, non_blocking=True)
+                    dst.copy_(src, non_blocking=True)
                 out = slot.copied_out = torch.cuda.Event()
                 out.record(self._d2h)
             for _, p, k, u0, u1, _, _ in piece.ranges:
@@ -326,24 +368,24 @@ class StateOffload:
         """Copy the host state of ``piece`` into slot ``index`` (growing it if needed), after the slot's last copy
         out and the last copy out of the same elements' state."""
         slot = self.slots[index]
-        host = self.optimizer.state
         for p in piece.params:
             self.host_state(p, group)
         fresh = slot.buffer is None or slot.buffer.numel() < piece.size
         if fresh:
+            # the pieces' cached copies into this slot view its old buffer: dropped, so that buffer is freed
+            for _, pieces in self._cuts.values():
+                for other in pieces:
+                    other.copies.pop(index, None)
             grown = max([piece.size] + [s.buffer.numel() for s in self.slots if s.buffer is not None])
             slot.buffer = torch.empty(grown, dtype=torch.uint8, device=self.device)
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
-        pairs = [
-            (slot.buffer[off : off + (u1 - u0) * b], host[p][k].view(-1)[u0:u1].view(torch.uint8))
-            for _, p, k, u0, u1, b, off in piece.ranges
-        ]
+        pairs = self._copies(index, piece)
         slot.key, slot.piece = piece.key, piece
         if self._h2d is None:
-            for d, s in pairs:
-                d.copy_(s)
+            for h, d in pairs:
+                d.copy_(h)
         else:
             compute = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._h2d):
@@ -353,11 +395,45 @@ class StateOffload:
                     self._h2d.wait_event(slot.copied_out)
                 for ready in self._ready_events(piece).values():
                     self._h2d.wait_event(ready)
-                for d, s in pairs:
-                    d.copy_(s, non_blocking=True)
+                for h, d in pairs:
+                    d.copy_(h, non_blocking=True)
                 slot.copied_in = slot.copied_in or torch.cuda.Event()
                 slot.copied_in.record(self._h2d)
         self.bytes_in += piece.size
+
+    def _copies(self, index: int, piece: _Piece) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (host, slot) byte views that move ``piece``'s state between the host and slot ``index``, made once per
+        piece and slot. Ranges that follow each other in a host block as in the slot (one tensor's range to its end,
+        the next from its start at the next multiple of ALIGN in the block, as far from the first in the slot) are one
+        copy: the bytes between them are padding on both sides."""
+        slot = self.slots[index]
+        base = slot.buffer.data_ptr()
+        cached = piece.copies.get(index)
+        if cached is not None and cached[0] == base:
+            return cached[1]
+        host = self.optimizer.state
+        spans: list[list] = []  # [block or None, host start, host end, slot start, slot end, ends its tensor, view]
+        for _, p, k, u0, u1, b, off in piece.ranges:
+            t = host[p][k]
+            where = self._where.get((id(p), k))
+            n = (u1 - u0) * b
+            if where is None or where[3] != t.data_ptr():  # not taken from the blocks (a loaded state dict's)
+                spans.append([None, 0, 0, off, off + n, False, t.view(-1)[u0:u1].view(torch.uint8)])
+                continue
+            blk, t0, tn, _ = where
+            h0 = t0 + u0 * b
+            last = spans[-1] if spans else None
+            if (last is not None and last[0] == blk and last[5] and u0 == 0 and h0 == _align(last[2])
+                    and h0 - last[2] == off - last[4]):
+                last[2], last[4], last[5] = h0 + n, off + n, u0 * b + n == tn
+            else:
+                spans.append([blk, h0, h0 + n, off, off + n, u0 * b + n == tn, None])
+        pairs = [
+            (view if blk is None else self._blocks[blk][h0:h1], slot.buffer[s0:s1])
+            for blk, h0, h1, s0, s1, _, view in spans
+        ]
+        piece.copies[index] = (base, pairs)
+        return pairs
 
     def _ready_events(self, piece: _Piece) -> dict[int, object]:
         """The events of the last copies out of host state that ``piece`` reads (by id, each once)."""

@@ -134,6 +134,50 @@ def test_resume_in_the_middle_is_exact(release, tmp_path, small_chunks):
             assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_whole_tensors_move_in_one_copy_and_checkpoints_hold_only_the_state(fmt, tmp_path):
+    """The host state of consecutive tensors lies as a piece lays it out in its slot: a piece of whole tensors is one
+    copy each way. Each state tensor has a storage of its own (a saved state dict holds the state's bytes, not the
+    host blocks'), and loading a state dict writes into the same host memory."""
+    model = make().to(DEVICE)
+    opt = _opt(model, fmt, True, True, bucket=10**9)  # one launch per param group, one piece each (64 MiB pieces)
+    train(model, opt, 2)
+    off = opt._offload
+    pieces = _pieces(off)
+    assert all(len(piece.ranges) > 3 for piece in pieces)
+    assert all(len(copies) == 1 for piece in pieces for _, copies in piece.copies.values())
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    size = (tmp_path / "opt.pt").stat().st_size
+    assert size < 2 * opt.state_bytes() + 2**20 < offload_mod.ARENA_BYTES
+    blocks = [b.data_ptr() for b in off._blocks]
+
+    def addresses():
+        return sorted(t.data_ptr() for e in opt.state.values() for k, t in e.items() if k != "step")
+
+    before = addresses()
+    opt.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert [b.data_ptr() for b in off._blocks] == blocks and addresses() == before
+    train_from(model, opt, 2)  # and the next step reads what was loaded there
+    assert all(len(copies) == 1 for piece in _pieces(off) for _, copies in piece.copies.values())
+
+
+def test_a_grown_device_buffer_is_not_kept_alive_by_cached_copies(monkeypatch):
+    """The device buffers grow during the first step (pieces of 1, 1.5 and 2 KiB here); a replaced buffer is referenced
+    by nothing of the offload's, the pieces' cached copy views included, so the device memory it held is free again
+    at once (not when each piece next passes through that buffer)."""
+    monkeypatch.setattr(offload_mod, "PIECE_BYTES", 3000)
+    model = make().to(DEVICE)
+    opt = _opt(model, "8bit", True, True)
+    train(model, opt, 1)
+    off = opt._offload
+    assert len({piece.size for piece in _pieces(off)}) > 1
+    live = [s.buffer.data_ptr() for s in off.slots if s.buffer is not None]
+    for piece in _pieces(off):
+        for index, (base, copies) in piece.copies.items():
+            assert base == off.slots[index].buffer.data_ptr()
+            assert all(dst.untyped_storage().data_ptr() in live for _, dst in copies)
+
+
 def test_export_and_dequantized_state_match_the_device_run():
     a, b = make().to(DEVICE), make().to(DEVICE)
     oa, ob = _opt(a, "4bit", False, True), _opt(b, "4bit", True, True)
