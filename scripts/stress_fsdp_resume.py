@@ -25,15 +25,16 @@ compact-full at 2 threads, 40 each of 8bit/4bit sharded/full at 1 thread, 5 x ``
 pytest-style fresh runs at 1 thread; switching the thread count (1 to 4) between the three runs changed no bit.
 
 The cause: the first ``torch.tanh`` of a process at 2 intra-op threads. With each forward pass recorded (every Linear
-and Tanh module's input, unsharded weight and bias, and output), 2 of 400 fresh runs parted at step 1 of the unbroken
-run, in the output of the Tanh module whose input was equal: 1,199 and 1,200 of its 2,400 elements, one thread's share
-of the rows, differed by ~800-870 ulp, and the difference was there when the output was recorded. Without FSDP2,
-gloo or ApexW, ``--first-tanh N`` starts N processes that each compare their first and second ``torch.tanh`` of the
-same 8 x 300 tensor at 2 threads: 2 of 400 differed (1,198 elements, the second thread's rows 4-7, the first call up
-to 671 ulp from tanh in float64, the second 0.5 ulp). It is a one-time initialization racing between the threads
-(float ``tanh`` on the CPU goes to MKL's vector math in torch's builds with MKL; not located further). The ranks
-now run :func:`tests.distributed.workers.warm_up` (a forward and backward of the model at their thread count) before
-any run that is compared, and the tests compute on one thread.
+and Tanh module's input, unsharded weight and bias, and output), 2 of 400 fresh runs parted at step 1, where the
+unbroken run's forward holds the process's first tanh, in the output of the Tanh module whose input was equal: 1,199
+and 1,200 of its 2,400 elements, one thread's share of the rows, differed by ~800-870 ulp, and the difference was
+there when the output was recorded (0 of the next 369 runs parted). Without FSDP2, gloo or ApexW, ``--first-tanh N``
+starts N processes that each compare their first and second ``torch.tanh`` of the same 8 x 300 tensor at 2 threads:
+2 of 400 differed (1,198 elements, the second thread's rows 4-7, the first call up to 671 ulp from tanh in float64,
+the second 0.5 ulp). It is a one-time initialization racing between the threads (float ``tanh`` on the CPU goes to
+MKL's vector math in torch's builds with MKL; not located further). The ranks now run
+:func:`tests.distributed.workers.warm_up` (a forward and backward of the model at their thread count) before any run
+that is compared, and the tests compute on one thread.
 """
 
 from __future__ import annotations

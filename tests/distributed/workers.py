@@ -28,9 +28,9 @@ def init(rank, world, store_file, threads=1):
 
 def warm_up():
     """One forward and backward pass of :func:`make_model`'s ops on a batch that every intra-op thread gets a share
-    of, before anything is compared. The first ``torch.tanh`` of a process at two threads sometimes computes the
-    second thread's share up to ~700 ulp off (a one-time initialization racing between the threads; the second call
-    is exact): about 1 fresh process in 200 on the 2-core machine, ``scripts/stress_fsdp_resume.py --first-tanh``.
+    of, before anything is compared. The first ``torch.tanh`` of a process at two threads sometimes computes one
+    thread's share up to ~700-870 ulp off (a one-time initialization racing between the threads; the second call is
+    exact): about 1 fresh process in 200 on the 2-core machine, ``scripts/stress_fsdp_resume.py --first-tanh``.
     A test that compares two runs in one process would otherwise part at the first run's first step whenever that
     happens (the FSDP2 resume test did, once, at 2 threads)."""
     model = make_model()
