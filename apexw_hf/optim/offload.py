@@ -173,10 +173,8 @@ class StateOffload:
             state["step"] = meta["step"].new_zeros((), device="cpu")
             off = start
             for k in keys:
-                n = meta[k].numel() * meta[k].element_size()
-                state[k] = self._view(block, off, n, meta[k])
-                self._where[(id(p), k)] = (block, off, n, state[k].data_ptr())
-                off += _align(n)
+                state[k] = self._place(p, k, block, off, meta[k])
+                off += _align(meta[k].numel() * meta[k].element_size())
         return state
 
     def load_host(self, p: torch.Tensor, entry: dict) -> dict:
@@ -192,10 +190,8 @@ class StateOffload:
                 where = self._where.get((id(p), k))
                 fits = cur is not None and cur.shape == v.shape and cur.dtype == v.dtype
                 if not fits or where is None or where[3] != cur.data_ptr():
-                    n = v.numel() * v.element_size()
-                    block, off = self._take(_align(n), p.device.type == "cuda")
-                    cur = self._view(block, off, n, v)
-                    self._where[(id(p), k)] = (block, off, n, cur.data_ptr())
+                    block, off = self._take(_align(v.numel() * v.element_size()), p.device.type == "cuda")
+                    cur = self._place(p, k, block, off, v)
                 v = cur.copy_(v)
             out[k] = v
         return out
@@ -213,11 +209,14 @@ class StateOffload:
         self._filling, self._free = len(self._blocks) - 1, nbytes
         return self._filling, 0
 
-    def _view(self, block: int, off: int, nbytes: int, like: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped and typed like ``like`` over ``nbytes`` of ``block`` at ``off``, with a storage of its own
-        (``torch.save`` of a state dict writes its bytes, not the whole block's)."""
-        raw = torch.from_numpy(self._blocks[block].numpy()[off : off + nbytes])
-        return raw.view(like.dtype).view(like.shape)
+    def _place(self, p: torch.Tensor, key: str, block: int, off: int, like: torch.Tensor) -> torch.Tensor:
+        """``p``'s host state tensor ``key``: shaped and typed like ``like``, over ``block`` from ``off``, with a
+        storage of its own (``torch.save`` of a state dict writes its bytes, not the whole block's); where it lies is
+        kept in ``_where`` (what :meth:`_copies` joins into one copy)."""
+        nbytes = like.numel() * like.element_size()
+        t = torch.from_numpy(self._blocks[block].numpy()[off : off + nbytes]).view(like.dtype).view(like.shape)
+        self._where[(id(p), key)] = (block, off, nbytes, t.data_ptr())
+        return t
 
     def _bind(self, device: torch.device) -> None:
         if self.device is not None:
