@@ -6,6 +6,14 @@ hub), bf16 model (``@fp32``: fp32 master weights under bf16 autocast), random to
 gradient checkpointing, ``max_grad_norm`` 1.0 (the Trainer's default), ``--steps`` optimizer steps; s/step is the
 median over the steps after ``--warmup``.
 
+A step ends when the compute stream (the one the Trainer and the kernels run on) has finished its work: copies that
+side streams still run then (a state offload's last copies back to the host, its first copies in for the next step)
+overlap the next step as they do in training, and where they make it wait, that step's time shows it. That is what
+the Trainer itself does: nothing in its loop waits for the whole device. ``--step-sync device`` waits for every stream
+at each step's end instead (the time a step would take if it had to leave the device idle). ``s_per_step_drained`` is
+the measured steps' mean with the whole device drained once at the end: over the run it should match s/step, and
+where they part, work was left queued on a side stream.
+
 Cells are ``<optimizer>[+liger]@<dtype>``, the optimizer one of: ``torch_fused`` (torch.optim.AdamW(fused=True)),
 ``bnb_8bit`` (bitsandbytes AdamW8bit), ``torchao_8bit`` / ``torchao_4bit`` (torchao AdamW8bit/AdamW4bit with
 ``bf16_stochastic_round`` on a bf16 model), or any ApexW optim name (``apexw_8bit``, ``apexw_4bit_release``, ...),
@@ -257,7 +265,7 @@ def run_one(cell: str, shape: str, args) -> dict:
     # the forward pass's GPU time per step (CUDA events at the model's outermost forward; the recomputation of
     # checkpointed layers runs in backward and is not in it): what a step would take without backward, the part of a
     # state offload's link-bound step that its copies cannot hide behind
-    forward_events, forward_s = [], []
+    forward_events, forward_pending, forward_marks, forward_s, drained = [], [], [], [], []
 
     def _forward_start(module, inputs):
         if module.training:
@@ -287,9 +295,16 @@ def run_one(cell: str, shape: str, args) -> dict:
                 trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
                 torch.cuda.memory._record_memory_history(enabled=None)
                 snapshot["trace"] = trace
-            torch.cuda.synchronize()
+            if args.step_sync == "device":
+                torch.cuda.synchronize()
+            else:
+                torch.cuda.current_stream().synchronize()
             times.append(time.perf_counter())
-            forward_s.append(sum(start.elapsed_time(end) for start, end in forward_events) / 1e3)
+            if state.global_step == args.steps:  # the last step: what the side streams still had queued
+                torch.cuda.synchronize()
+                drained.append(time.perf_counter())
+            forward_pending.extend(forward_events)  # read once their step's stream work is done (at the end)
+            forward_marks.append(len(forward_pending))
             forward_events.clear()
             if call_totals is not None:
                 call_marks.append({k: tuple(v) for k, v in call_totals.items()})
@@ -312,6 +327,11 @@ def run_one(cell: str, shape: str, args) -> dict:
     if prof is not None:
         prof.start()
     trainer.train()
+    torch.cuda.synchronize()
+    done = 0
+    for mark in forward_marks:
+        forward_s.append(sum(start.elapsed_time(end) for start, end in forward_pending[done:mark]) / 1e3)
+        done = mark
     opt = trainer.optimizer
     inner = getattr(opt, "optimizer", opt)
     all_steps = [b - a for a, b in zip(times, times[1:])]
@@ -361,6 +381,8 @@ def run_one(cell: str, shape: str, args) -> dict:
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         "host_pinned_gib": _host_pinned_gib(),
         "s_per_step": statistics.median(steps) if steps else None,
+        "s_per_step_drained": (drained[0] - times[args.warmup - 1]) / len(steps) if steps and drained else None,
+        "step_sync": args.step_sync,
         "forward_s": statistics.median(forward_s[args.warmup:]) if len(forward_s) > args.warmup else None,
         "step_s": [round(t, 5) for t in all_steps],
         **release,
@@ -496,6 +518,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--out", default="runs/full_memory")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per run")
+    ap.add_argument("--step-sync", choices=("stream", "device"), default="stream",
+                    help="a step ends when the compute stream is done (stream) or every stream (device)")
     ap.add_argument("--profile", type=int, default=0,
                     help="profile this many steps after the warm-up (torch.profiler)")
     ap.add_argument("--time-calls", action="store_true",
@@ -512,6 +536,8 @@ def main() -> None:
         ap.error(f"--profile must be 0 (no profile) or a positive number of steps, got {args.profile}")
     if args.tag and not all(c.isalnum() or c in "-_." for c in args.tag):
         ap.error(f"--tag must be letters, digits, '-', '_' or '.', got {args.tag!r}")
+    if args.step_sync == "device" and not args.tag:
+        ap.error("--step-sync device changes what s/step measures: name the variant with --tag")
     if args.optim_args and not args.tag:
         ap.error("--optim-args changes what a cell measures: name the variant with --tag")
     out = Path(args.out)
@@ -526,7 +552,8 @@ def main() -> None:
         for cell in args.cells.split(","):
             cmd = [sys.executable, __file__, "--run", f"{shape}:{cell}", "--out", str(out), "--seq", str(args.seq),
                    "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag]
+                   "--profile", str(args.profile), "--optim-args", args.optim_args, "--tag", args.tag,
+                   "--step-sync", args.step_sync]
             cmd += ["--snapshot", "--snapshot-from", args.snapshot_from] if args.snapshot else []
             cmd += ["--time-calls"] if args.time_calls else []
             t0 = time.time()
@@ -556,12 +583,13 @@ def main() -> None:
             nan = float("nan")
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
                   f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
+                  f" (drained {row.get('s_per_step_drained') or nan:.3f})"
                   f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}"
                   f"{'  NOT FINITE: the weights or the logged loss / grad_norm' if row.get('finite') is False else ''}",
                   flush=True)
     keys = ["shape", "cell", "tag", "optim_args", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step",
-            "optimizer_state_mib", "gradient_release", "grads_alive_before_step", "logged_grad_norm", "gpu", "commit",
-            "date", "error"]
+            "s_per_step_drained", "step_sync", "optimizer_state_mib", "gradient_release", "grads_alive_before_step",
+            "logged_grad_norm", "gpu", "commit", "date", "error"]
     with open(out / "results.csv", "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         if f.tell() == 0:
