@@ -478,10 +478,65 @@ def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str
     ) / steps
     lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
              f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
+    lines += _compute_stream_idle(prof, steps)
     lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     path.write_text("\n".join(lines))
     return path.name
+
+
+def _compute_stream_idle(prof, steps: int) -> list[str]:
+    """Where the compute stream (the one with the most kernels) stood idle in the profiled steps, per step: while a
+    host -> device copy ran on another stream (most likely waiting for it: a state offload's piece, a tied gradient's
+    part), while only device -> host copies ran, or while no copy ran (waiting for the host to queue work)."""
+    import bisect
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        trace_path = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace_path))
+        trace = json.loads(trace_path.read_text())
+    spans: dict = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            spans.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"],
+                                                                          e.get("name", "")))
+    if not spans:
+        return ["compute stream idle: no device events in the trace", ""]
+    compute = max(spans, key=lambda k: sum(c == "kernel" for _, _, c, _ in spans[k]))
+
+    def union(intervals):
+        out = []
+        for a, b in sorted(intervals):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def covered(a, b, merged):  # time of [a, b] under the sorted, disjoint intervals ``merged``
+        i = max(bisect.bisect_right(merged, [a]) - 1, 0)
+        total = 0.0
+        while i < len(merged) and merged[i][0] < b:
+            total += max(0.0, min(b, merged[i][1]) - max(a, merged[i][0]))
+            i += 1
+        return total
+
+    busy = union((a, b) for a, b, _, _ in spans[compute])
+    others = [x for k, v in spans.items() if k != compute for x in v]
+    h2d = union((a, b) for a, b, c, n in others if c == "gpu_memcpy" and "HtoD" in n)
+    d2h = union((a, b) for a, b, c, n in others if c == "gpu_memcpy" and "DtoH" in n)
+    copies = union(h2d + d2h)
+    idle = link = out_only = 0.0
+    for (_, a), (b, _) in zip(busy, busy[1:]):
+        idle += b - a
+        on_h2d = covered(a, b, h2d)
+        link += on_h2d
+        out_only += covered(a, b, copies) - on_h2d  # under device -> host copies and under no copy in
+    per = 1e-3 / steps
+    return [f"compute stream (stream {compute}) per step: busy {sum(b - a for a, b in busy) * per:.1f} ms, idle "
+            f"{idle * per:.1f} ms: {link * per:.1f} ms while a host -> device copy ran, {out_only * per:.1f} ms while "
+            f"only device -> host copies ran, {(idle - link - out_only) * per:.1f} ms with no copy running", ""]
 
 
 def provenance() -> dict:
