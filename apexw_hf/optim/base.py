@@ -18,7 +18,7 @@ from .. import formats as st
 from .. import reference as ref
 from ..hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
-from .offload import StateOffload, default_piece_bytes
+from .offload import StateOffload, default_piece_bytes, default_slots
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -89,12 +89,13 @@ class ApexW(torch.optim.Optimizer):
             update kernel: each launch (a gradient-release bucket, or a chunk of a param group in ``step()``) copies
             its tensors' state into one of a few device buffers on a side stream, updates it there and copies it
             back while training goes on, prefetching the next launch's state in the order of the last step
-            (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of three launches instead of all of it;
+            (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of 3-4 launches instead of all of it;
             the results are bit-identical. Needs the Triton engine on one GPU (CUDA parameters; CPU parameters only
             under the Triton interpreter) and host memory for the whole state; not under FSDP2.
         offload_piece_mib: with ``state_offload``, the most MiB of state one launch updates; the GPU holds three
-            buffers of that size. None (default): 1/48 of the whole state, between 64 and 160 MiB
-            (:func:`apexw_hf.optim.offload.default_piece_bytes`). Smaller saves GPU memory and hides less of the
+            buffers of that size. None (default): 1/48 of the whole state, between 64 and 96 MiB, in three buffers,
+            or four of 96 MiB for a larger state (:func:`apexw_hf.optim.offload.default_piece_bytes`,
+            :func:`~apexw_hf.optim.offload.default_slots`). Smaller saves GPU memory and hides less of the
             copies behind backward (docs/gradient_release.md, "State offload", has the measured trade-off).
         nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
             infinity is not updated (its parameter elements, moments and scales keep their values; every other block
@@ -180,8 +181,10 @@ class ApexW(torch.optim.Optimizer):
             )
         if state_offload:
             needed = self._check_offload()
-            piece = default_piece_bytes(needed) if offload_piece_mib is None else offload_piece_mib * 2**20
-            self._offload = StateOffload(self, piece_bytes=piece)
+            if offload_piece_mib is None:
+                self._offload = StateOffload(self, default_slots(needed), default_piece_bytes(needed))
+            else:
+                self._offload = StateOffload(self, piece_bytes=offload_piece_mib * 2**20)
         if gradient_release:
             self._release = GradientRelease(self, release_bucket_size, max_grad_norm, tied_grad_offload)
             self._release.sync_hooks()

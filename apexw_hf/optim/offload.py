@@ -47,12 +47,13 @@ from .. import formats as st
 
 DEFAULT_SLOTS = 3
 # Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds
-# ``DEFAULT_SLOTS`` buffers of about this size, and ``DEFAULT_SLOTS - 1`` of them are how far the copies run ahead of
-# the launches: smaller pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State
-# offload", has the measured trade-off). By default a piece is 1/48 of the whole state (the slots then hold 1/16 of
-# it), between these bounds: an 8B model's state gets the largest pieces, which keep its step within a few percent of
-# the state kept on the GPU, and a 1B-3B model's the smallest, which save a tenth of its peak at a small cost.
-PIECE_BYTES = 160 * 2**20
+# a few buffers of about this size, and all but one of them are how far the copies run ahead of the launches: smaller
+# pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State offload", has the measured
+# trade-off). By default a piece is 1/48 of the whole state, between these bounds, in DEFAULT_SLOTS buffers (1/16 of
+# the state); a state whose 1/48 is above PIECE_BYTES (an 8B model's) gets one buffer more of PIECE_BYTES instead:
+# on 8B shapes four buffers of 96 MiB ran ahead further than three of 128 MiB, in the same GPU memory, and a
+# 1B-3B model's state gets the smallest pieces, which save a tenth of its peak at a small cost.
+PIECE_BYTES = 96 * 2**20
 MIN_PIECE_BYTES = 64 * 2**20
 PIECES_PER_STATE = 48
 
@@ -61,6 +62,12 @@ def default_piece_bytes(state_bytes: int) -> int:
     """The piece size for a state of ``state_bytes`` in all: 1/``PIECES_PER_STATE`` of it, within
     [``MIN_PIECE_BYTES``, ``PIECE_BYTES``]."""
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, state_bytes // PIECES_PER_STATE))
+
+
+def default_slots(state_bytes: int) -> int:
+    """The number of device buffers for a state of ``state_bytes`` with the default pieces: ``DEFAULT_SLOTS``, one more
+    where the pieces are capped at ``PIECE_BYTES`` (the state is larger than ``PIECES_PER_STATE`` of them)."""
+    return DEFAULT_SLOTS + (state_bytes // PIECES_PER_STATE > PIECE_BYTES)
 
 
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)

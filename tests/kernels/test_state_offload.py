@@ -206,17 +206,26 @@ def test_errors_name_what_is_wrong(monkeypatch):
 
 
 def test_piece_size_follows_the_state_unless_given():
-    """By default a piece is 1/48 of the whole state within [64, 160] MiB; offload_piece_mib sets it; a bad value, or
-    the option without state_offload, is refused naming what is allowed."""
+    """By default a piece is 1/48 of the whole state within [64, 96] MiB, in three device buffers, or four where the
+    cap binds; offload_piece_mib sets the piece (three buffers); a bad value, or the option without state_offload, is
+    refused naming what is allowed."""
     mib = 2**20
     assert offload_mod.default_piece_bytes(0) == 64 * mib
-    assert offload_mod.default_piece_bytes(48 * 100 * mib) == 100 * mib
-    assert offload_mod.default_piece_bytes(10**12) == 160 * mib
+    assert offload_mod.default_piece_bytes(48 * 80 * mib) == 80 * mib
+    assert offload_mod.default_piece_bytes(10**12) == 96 * mib
+    assert [offload_mod.default_slots(48 * n * mib) for n in (1, 80, 96, 97)] == [3, 3, 3, 4]
+    assert offload_mod.default_slots(16 * 2**30) == 4  # an 8B model's 8-bit state: 4 x 96 MiB
     model = make().to(DEVICE)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
-    assert opt._offload.piece_bytes == 64 * mib  # a tiny model's state: the smallest default piece
+    # a tiny model's state: the smallest default piece, three buffers
+    assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (64 * mib, 3)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True, offload_piece_mib=3)
-    assert opt._offload.piece_bytes == 3 * mib
+    assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (3 * mib, 3)
+    with pytest.MonkeyPatch.context() as mp:  # bounds the fp32 state of the tiny model (31 KB) exceeds 48 times over
+        mp.setattr(offload_mod, "MIN_PIECE_BYTES", 256)
+        mp.setattr(offload_mod, "PIECE_BYTES", 512)
+        opt = ApexW(model.parameters(), engine="triton", state_format="fp32", state_offload=True)
+        assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (512, 4)
     for bad in (0, True, 1.5, "8"):
         with pytest.raises(ValueError, match=r"offload_piece_mib must be an int >= 1 \(MiB\) or None"):
             ApexW(model.parameters(), engine="triton", state_offload=True, offload_piece_mib=bad)
