@@ -11,8 +11,8 @@ seed 7) over a (3, 299) and a (17,) parameter, six steps (the 8-bit one with ske
 """
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
