@@ -36,9 +36,6 @@ from .. import dtensor as dt
 
 PREFETCH_SHARE = 0.5  # the copy back starts once this share of the last step's gradient elements is released
 SEARCH_NODES = 256  # autograd nodes searched from the loss for the first use of a tied weight
-# The copy back goes in pieces of this many bytes (0: one copy), so that the copies of a state offload queued meanwhile
-# on the same link are not held up behind one copy of the whole part (0.73 GiB for Llama-3.2-3B).
-COPY_BACK_CHUNK_BYTES = 64 * 2**20
 
 
 def _offloadable(t: torch.Tensor) -> bool:
@@ -218,11 +215,7 @@ class TiedGradOffload:
         stream.wait_stream(torch.cuda.current_stream(device))  # the allocation, on the current stream
         with torch.cuda.stream(stream):
             stream.wait_event(part.out)
-            src, dst = part.host.view(-1), dev.view(-1)
-            n = src.numel()
-            step = max(COPY_BACK_CHUNK_BYTES // src.element_size(), 1) if COPY_BACK_CHUNK_BYTES else n
-            for a in range(0, n, step):
-                dst[a : a + step].copy_(src[a : a + step], non_blocking=True)
+            dev.copy_(part.host, non_blocking=True)
             back = torch.cuda.Event()
             back.record(stream)
         dev.record_stream(stream)
