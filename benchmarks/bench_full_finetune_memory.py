@@ -11,8 +11,9 @@ side streams still run then (a state offload's last copies back to the host, its
 overlap the next step as they do in training, and where they make it wait, that step's time shows it. That is what
 the Trainer itself does: nothing in its loop waits for the whole device. ``--step-sync device`` waits for every stream
 at each step's end instead (the time a step would take if it had to leave the device idle). ``s_per_step_drained`` is
-the measured steps' mean with the whole device drained once at the end: over the run it should match s/step, and
-where they part, work was left queued on a side stream.
+the measured steps' mean with the whole device drained once at the end: where it exceeds the mean of their times
+(``step_s``), work was left queued on a side stream (where it exceeds the median, s/step, slow outlier steps may be
+all there is).
 
 Cells are ``<optimizer>[+liger]@<dtype>``, the optimizer one of: ``torch_fused`` (torch.optim.AdamW(fused=True)),
 ``bnb_8bit`` (bitsandbytes AdamW8bit), ``torchao_8bit`` / ``torchao_4bit`` (torchao AdamW8bit/AdamW4bit with
