@@ -266,7 +266,7 @@ def run_one(cell: str, shape: str, args) -> dict:
     # the forward pass's GPU time per step (CUDA events at the model's outermost forward; the recomputation of
     # checkpointed layers runs in backward and is not in it): what a step would take without backward, the part of a
     # state offload's link-bound step that its copies cannot hide behind
-    forward_events, forward_pending, forward_marks, forward_s, drained = [], [], [], [], []
+    forward_events, forward_steps, drained = [], [], []
 
     def _forward_start(module, inputs):
         if module.training:
@@ -304,8 +304,7 @@ def run_one(cell: str, shape: str, args) -> dict:
             if state.global_step == args.steps:  # the last step: what the side streams still had queued
                 torch.cuda.synchronize()
                 drained.append(time.perf_counter())
-            forward_pending.extend(forward_events)  # read once their step's stream work is done (at the end)
-            forward_marks.append(len(forward_pending))
+            forward_steps.append(forward_events[:])  # read at the end, once every stream's work is done
             forward_events.clear()
             if call_totals is not None:
                 call_marks.append({k: tuple(v) for k, v in call_totals.items()})
@@ -329,10 +328,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         prof.start()
     trainer.train()
     torch.cuda.synchronize()
-    done = 0
-    for mark in forward_marks:
-        forward_s.append(sum(start.elapsed_time(end) for start, end in forward_pending[done:mark]) / 1e3)
-        done = mark
+    forward_s = [sum(start.elapsed_time(end) for start, end in events) / 1e3 for events in forward_steps]
     opt = trainer.optimizer
     inner = getattr(opt, "optimizer", opt)
     all_steps = [b - a for a, b in zip(times, times[1:])]
