@@ -475,18 +475,21 @@ def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str
     ) / steps
     lines = [f"profiled steps: {steps}; GPU busy (sum of self device time) per step: {device_us / 1e3:.1f} ms; "
              f"median wall time per step over the run: {1e3 * statistics.median(step_times):.1f} ms", ""]
-    lines += _compute_stream_idle(prof, steps)
+    lines += _compute_stream_idle(prof, steps, path.with_name(path.name.replace(".profile.txt", ".timeline.json.gz")))
     lines.append(events.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
     lines.append(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     path.write_text("\n".join(lines))
     return path.name
 
 
-def _compute_stream_idle(prof, steps: int) -> list[str]:
+def _compute_stream_idle(prof, steps: int, timeline: Path) -> list[str]:
     """Where the compute stream (the one with the most kernels) stood idle in the profiled steps, per step: while a
     host -> device copy ran on another stream (most likely waiting for it: a state offload's piece, a tied gradient's
-    part), while only device -> host copies ran, or while no copy ran (waiting for the host to queue work)."""
+    part), while only device -> host copies ran, or while no copy ran (waiting for the host to queue work). The
+    device's spans (kernels, copies, the steps' annotations; microseconds from the first) go to ``timeline``, gzipped
+    JSON, for a look at when in the step each of these happens."""
     import bisect
+    import gzip
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
@@ -496,11 +499,18 @@ def _compute_stream_idle(prof, steps: int) -> list[str]:
     spans: dict = {}
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            spans.setdefault(e.get("args", {}).get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"],
-                                                                          e.get("name", "")))
+            args = e.get("args", {})
+            name = e.get("name", "") + (f" {args['bytes']}" if "bytes" in args else "")  # a copy: its bytes last
+            spans.setdefault(args.get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"], name))
     if not spans:
         return ["compute stream idle: no device events in the trace", ""]
     compute = max(spans, key=lambda k: sum(c == "kernel" for _, _, c, _ in spans[k]))
+    t0 = min(a for v in spans.values() for a, _, _, _ in v)
+    marks = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("name", "")) for e in trace.get("traceEvents", [])
+             if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"]
+    with gzip.open(timeline, "wt") as f:
+        streams = {str(k): [(a - t0, b - t0, c, n if len(n) < 56 else n[:40] + n[-15:]) for a, b, c, n in v] for k, v in spans.items()}
+        json.dump({"compute_stream": compute, "annotations": marks, "streams": streams}, f)
 
     def union(intervals):
         out = []
