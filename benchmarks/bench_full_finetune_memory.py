@@ -509,7 +509,8 @@ def _compute_stream_idle(prof, steps: int, timeline: Path) -> list[str]:
     marks = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("name", "")) for e in trace.get("traceEvents", [])
              if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"]
     with gzip.open(timeline, "wt") as f:
-        streams = {str(k): [(a - t0, b - t0, c, n if len(n) < 56 else n[:40] + n[-15:]) for a, b, c, n in v] for k, v in spans.items()}
+        streams = {str(k): [(a - t0, b - t0, c, n if len(n) < 56 else n[:40] + n[-15:]) for a, b, c, n in v]
+                   for k, v in spans.items()}
         json.dump({"compute_stream": compute, "annotations": marks, "streams": streams}, f)
 
     def union(intervals):
