@@ -486,8 +486,9 @@ def _compute_stream_idle(prof, steps: int, timeline: Path) -> list[str]:
     """Where the compute stream (the one with the most kernels) stood idle in the profiled steps, per step: while a
     host -> device copy ran on another stream (most likely waiting for it: a state offload's piece, a tied gradient's
     part), while only device -> host copies ran, or while no copy ran (waiting for the host to queue work). The
-    device's spans (kernels, copies, the steps' annotations; microseconds from the first) go to ``timeline``, gzipped
-    JSON, for a look at when in the step each of these happens."""
+    device's spans (kernels, copies, the steps' annotations; microseconds from the first, with the time the host queued
+    each) go to ``timeline``, gzipped JSON, for a look at when in the step each of these happens and whether the device
+    waited for the host or for a copy."""
     import bisect
     import gzip
     import tempfile
@@ -497,11 +498,15 @@ def _compute_stream_idle(prof, steps: int, timeline: Path) -> list[str]:
         prof.export_chrome_trace(str(trace_path))
         trace = json.loads(trace_path.read_text())
     spans: dict = {}
+    queued: dict = {}  # stream -> when the host queued each span (the runtime call of the same correlation id)
+    calls = {e["args"]["correlation"]: e["ts"] for e in trace.get("traceEvents", [])
+             if e.get("ph") == "X" and e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
     for e in trace.get("traceEvents", []):
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             args = e.get("args", {})
             name = e.get("name", "") + (f" {args['bytes']}" if "bytes" in args else "")  # a copy: its bytes last
             spans.setdefault(args.get("stream"), []).append((e["ts"], e["ts"] + e["dur"], e["cat"], name))
+            queued.setdefault(args.get("stream"), []).append(calls.get(args.get("correlation")))
     if not spans:
         return ["compute stream idle: no device events in the trace", ""]
     compute = max(spans, key=lambda k: sum(c == "kernel" for _, _, c, _ in spans[k]))
@@ -509,8 +514,8 @@ def _compute_stream_idle(prof, steps: int, timeline: Path) -> list[str]:
     marks = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("name", "")) for e in trace.get("traceEvents", [])
              if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"]
     with gzip.open(timeline, "wt") as f:
-        streams = {str(k): [(a - t0, b - t0, c, n if len(n) < 56 else n[:40] + n[-15:]) for a, b, c, n in v]
-                   for k, v in spans.items()}
+        streams = {str(k): [(a - t0, b - t0, c, n if len(n) < 56 else n[:40] + n[-15:], q if q is None else q - t0)
+                            for (a, b, c, n), q in zip(v, queued[k])] for k, v in spans.items()}
         json.dump({"compute_stream": compute, "annotations": marks, "streams": streams}, f)
 
     def union(intervals):
