@@ -18,7 +18,7 @@ from .. import formats as st
 from .. import reference as ref
 from ..hparams import as_float as _as_float
 from .nonfinite import NonfiniteGuard
-from .offload import StateOffload, default_piece_bytes, default_slots
+from .offload import StateOffload, default_layout
 from .release import GROUP_STATE_KEY, GradientRelease
 
 _GRAD = operator.attrgetter("grad")
@@ -94,9 +94,9 @@ class ApexW(torch.optim.Optimizer):
             under the Triton interpreter) and host memory for the whole state; not under FSDP2.
         offload_piece_mib: with ``state_offload``, the most MiB of state one launch updates; the GPU holds three
             buffers of that size. None (default): 1/48 of the whole state, between 64 and 96 MiB, in three buffers,
-            or four of 96 MiB for a larger state (:func:`apexw_hf.optim.offload.default_piece_bytes`,
-            :func:`~apexw_hf.optim.offload.default_slots`). Smaller saves GPU memory and hides less of the
-            copies behind backward (docs/gradient_release.md, "State offload", has the measured trade-off).
+            or four of 96 MiB for a larger state (:func:`apexw_hf.optim.offload.default_layout`). Smaller saves
+            GPU memory and hides less of the copies behind backward (docs/gradient_release.md, "State offload", has
+            the measured trade-off).
         nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
             infinity is not updated (its parameter elements, moments and scales keep their values; every other block
             is updated as usual: :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted
@@ -182,7 +182,8 @@ class ApexW(torch.optim.Optimizer):
         if state_offload:
             needed = self._check_offload()
             if offload_piece_mib is None:
-                self._offload = StateOffload(self, default_slots(needed), default_piece_bytes(needed))
+                piece_bytes, slots = default_layout(needed)
+                self._offload = StateOffload(self, slots, piece_bytes)
             else:
                 self._offload = StateOffload(self, piece_bytes=offload_piece_mib * 2**20)
         if gradient_release:

@@ -4,7 +4,7 @@ With ``ApexW(..., state_offload=True)`` every tensor of ``optimizer.state`` (mom
 pinned memory when CUDA is there; that is what ``state_dict``, ``dequantized_state`` and the export to torch AdamW
 read. The Triton engine's launches (a gradient-release bucket, or a param group in ``step()``) are cut into *pieces*:
 consecutive work items of a launch plan (chunks of ``rows * 256`` elements, a large tensor cut between chunks) whose
-state takes at most ``piece_bytes`` (:func:`default_piece_bytes` of the whole state, or ``offload_piece_mib``). Each
+state takes at most ``piece_bytes`` (:func:`default_layout` of the whole state, or ``offload_piece_mib``). Each
 piece updates a copy of its state in one of a few device buffers ("slots"):
 
 1. *stage*: the piece's state is copied host -> device into a slot on a side stream (or found there already: it was
@@ -58,16 +58,12 @@ MIN_PIECE_BYTES = 64 * 2**20
 PIECES_PER_STATE = 48
 
 
-def default_piece_bytes(state_bytes: int) -> int:
-    """The piece size for a state of ``state_bytes`` in all: 1/``PIECES_PER_STATE`` of it, within
-    [``MIN_PIECE_BYTES``, ``PIECE_BYTES``]."""
-    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, state_bytes // PIECES_PER_STATE))
-
-
-def default_slots(state_bytes: int) -> int:
-    """The number of device buffers for a state of ``state_bytes`` with the default pieces: ``DEFAULT_SLOTS``, one more
-    where the pieces are capped at ``PIECE_BYTES`` (the state is larger than ``PIECES_PER_STATE`` of them)."""
-    return DEFAULT_SLOTS + (state_bytes // PIECES_PER_STATE > PIECE_BYTES)
+def default_layout(state_bytes: int) -> tuple[int, int]:
+    """The default (piece bytes, device buffers) for a state of ``state_bytes`` in all: pieces of 1/``PIECES_PER_STATE``
+    of it within [``MIN_PIECE_BYTES``, ``PIECE_BYTES``], in ``DEFAULT_SLOTS`` buffers, one buffer more where the cap
+    binds (the state is larger than ``PIECES_PER_STATE`` pieces of ``PIECE_BYTES``)."""
+    share = state_bytes // PIECES_PER_STATE
+    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, share)), DEFAULT_SLOTS + (share > PIECE_BYTES)
 
 
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)

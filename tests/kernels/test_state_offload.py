@@ -210,11 +210,12 @@ def test_piece_size_follows_the_state_unless_given():
     cap binds; offload_piece_mib sets the piece (three buffers); a bad value, or the option without state_offload, is
     refused naming what is allowed."""
     mib = 2**20
-    assert offload_mod.default_piece_bytes(0) == 64 * mib
-    assert offload_mod.default_piece_bytes(48 * 80 * mib) == 80 * mib
-    assert offload_mod.default_piece_bytes(10**12) == 96 * mib
-    assert [offload_mod.default_slots(48 * n * mib) for n in (1, 80, 96, 97)] == [3, 3, 3, 4]
-    assert offload_mod.default_slots(16 * 2**30) == 4  # an 8B model's 8-bit state: 4 x 96 MiB
+    layout = offload_mod.default_layout
+    assert layout(0) == (64 * mib, 3)
+    assert layout(48 * 80 * mib) == (80 * mib, 3)
+    assert layout(10**12) == (96 * mib, 4)
+    assert [layout(48 * n * mib)[1] for n in (1, 80, 96, 97)] == [3, 3, 3, 4]
+    assert layout(16 * 2**30) == (96 * mib, 4)  # an 8B model's 8-bit state: 4 x 96 MiB
     model = make().to(DEVICE)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
     # a tiny model's state: the smallest default piece, three buffers
