@@ -59,9 +59,9 @@ PIECES_PER_STATE = 48
 
 
 def default_layout(state_bytes: int) -> tuple[int, int]:
-    """The default (piece bytes, device buffers) for a state of ``state_bytes`` in all: pieces of 1/``PIECES_PER_STATE``
-    of it within [``MIN_PIECE_BYTES``, ``PIECE_BYTES``], in ``DEFAULT_SLOTS`` buffers, one buffer more where the cap
-    binds (the state is larger than ``PIECES_PER_STATE`` pieces of ``PIECE_BYTES``)."""
+    """The default (piece bytes, device buffers) for a state of ``state_bytes`` in all: pieces of
+    1/``PIECES_PER_STATE`` of it within [``MIN_PIECE_BYTES``, ``PIECE_BYTES``], in ``DEFAULT_SLOTS`` buffers, one
+    buffer more where the cap binds (the state is larger than ``PIECES_PER_STATE`` pieces of ``PIECE_BYTES``)."""
     share = state_bytes // PIECES_PER_STATE
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, share)), DEFAULT_SLOTS + (share > PIECE_BYTES)
 
