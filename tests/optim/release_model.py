@@ -62,6 +62,17 @@ def train_from(model, opt, step):
     opt.zero_grad()
 
 
+def train_tied_from(model, opt, step):
+    """One training step with ``tied_grad_offload``: the tied weight's output-layer part is hooked before backward, and
+    after it no gradient is left on the parameters and no part is still away from its weight."""
+    loss = loss_of(model, step)
+    assert opt.before_backward(loss, model) == 1
+    loss.backward()
+    assert all(p.grad is None for p in model.parameters()) and not opt._release.offload.pending()
+    opt.step()
+    opt.zero_grad()
+
+
 def train(model, opt, steps, sched=None):
     for t in range(steps):
         train_from(model, opt, t)

@@ -11,7 +11,7 @@ from apexw_hf import ApexW
 from apexw_hf.optim import release as release_module
 
 from .helpers import FORMATS
-from .release_model import TinyLM, groups, loss_of, make, train, train_from
+from .release_model import TinyLM, groups, loss_of, make, train, train_from, train_tied_from
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -638,12 +638,7 @@ def test_tied_grad_offload_is_bit_identical_to_step(fmt, checkpoint, cls, offloa
     )
     for t in range(3):
         train_from(a, oa, t)
-        loss = loss_of(b, t)
-        assert ob.before_backward(loss, b) == 1
-        loss.backward()
-        assert all(p.grad is None for p in b.parameters()) and not ob._release.offload.pending()
-        ob.step()
-        ob.zero_grad()
+        train_tied_from(b, ob, t)
     assert ob._release.offload.offloaded == 3
     if cls is TinyLM:
         # from the second step on, the copy back starts in backward before the tied weight's gradient is complete
