@@ -11,6 +11,7 @@ from apexw_hf.optim import ApexW
 from apexw_hf.optim import offload as offload_mod
 
 from ..optim.release_model import groups, make, train, train_from
+from .fake_streams import record_streams
 from .helpers import DEVICE
 
 FORMATS = ["compact", "8bit", "4bit", "fp32"]
@@ -302,3 +303,67 @@ def test_pieces_across_tensor_boundaries_give_the_same_bits(fmt, release, monkey
     assert any(len(piece.params) == 1 and piece.programs[1] - piece.programs[0] > 1 for piece in pieces)
     for piece in pieces:
         assert len(piece.params) == len({id(p) for p in piece.params})
+
+
+def _streams_on_the_cpu(monkeypatch, rec):
+    """State offload on the CPU takes its CUDA path with the stand-in streams of ``rec``: side streams at binding, and
+    each launch recorded on the compute stream as writing the bytes of its device buffer that hold its piece."""
+    bind, done = offload_mod.StateOffload._bind, offload_mod.StateOffload._done
+
+    def bind_streams(self, device):
+        first = self.device is None
+        bind(self, device)
+        if first:
+            self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def launched(self, slot, piece):
+        base = slot.buffer.data_ptr()
+        rec.op(rec.compute, "launch", writes=[(base, base + piece.size)], keep=(slot.buffer,))
+        done(self, slot, piece)
+
+    monkeypatch.setattr(offload_mod.StateOffload, "_bind", bind_streams)
+    monkeypatch.setattr(offload_mod.StateOffload, "_done", launched)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams (the CUDA tests run the real ones)")
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+@pytest.mark.parametrize("release", [False, True])
+def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, small_chunks, monkeypatch):
+    """The events the offload records and waits for order every copy and launch after whatever they must follow on a
+    GPU: a copy in after the launch and copy out of what its buffer held and after the copy out that last wrote its
+    host state, a launch after its copy in, a copy out after its launch (``fake_streams``: on the CPU every copy runs
+    when issued, so only this check sees the order a GPU would run them in)."""
+    with record_streams(monkeypatch) as rec:
+        _streams_on_the_cpu(monkeypatch, rec)
+        a, b = make(), make()
+        oa, ob = _opt(a, fmt, False, release), _opt(b, fmt, True, release)
+        train(a, oa, 4)
+        train(b, ob, 4)
+        off = ob._offload
+        assert off.hits > 0 and off.misses > 0 and rec.count("launch") == 4 * len(off._order)
+        assert rec.count("copy") >= 2 * rec.count("launch")  # every piece in and out, at least one copy each
+        assert rec.hazards() == []
+        _same(a, b, oa, ob)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams")
+def test_the_order_check_sees_a_copy_in_that_waits_for_no_copy_out(small_chunks, monkeypatch):
+    """The check above can fail: copies in that skip their waits for copies out overwrite a buffer (or read host
+    state) that a copy out may not have finished with."""
+    with record_streams(monkeypatch) as rec:
+        _streams_on_the_cpu(monkeypatch, rec)
+        model = make()
+        opt = _opt(model, "8bit", True, True)
+        train(model, opt, 1)
+        off = opt._offload
+        wait = off._h2d.wait_event
+
+        def skip_copies_out(event):
+            if rec.ops[event.op].stream != off._d2h.name:
+                wait(event)
+
+        off._h2d.wait_event = skip_copies_out
+        train(model, opt, 2)
+    found = {(a.stream, b.stream) for a, b in rec.hazards()}
+    # a copy out, then a copy in over its bytes, and so the launch after that copy in
+    assert found == {(off._d2h.name, off._h2d.name), (off._d2h.name, "compute"), ("compute", off._h2d.name)}
