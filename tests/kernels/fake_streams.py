@@ -15,6 +15,7 @@ What is recorded: copies issued with ``non_blocking=True`` (the side streams' co
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -38,8 +39,8 @@ class Op:
 
 
 class FakeStream:
-    def __init__(self, recorder: Recorder, name: str):
-        self.recorder, self.name = recorder, name
+    def __init__(self, name: str):
+        self.name = name
         self.last: int | None = None  # the last operation queued on it
         self.waits: set = set()  # what its next operation follows besides ``last``
 
@@ -68,17 +69,11 @@ class FakeEvent:
 @dataclass
 class Recorder:
     ops: list = field(default_factory=list)
-    streams: list = field(default_factory=list)
     kept: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.compute = self.stream("compute")
+        self.compute = FakeStream("compute")
         self.current = self.compute
-
-    def stream(self, name: str) -> FakeStream:
-        s = FakeStream(self, name)
-        self.streams.append(s)
-        return s
 
     def op(self, stream: FakeStream, name: str, reads=(), writes=(), keep=()) -> int:
         """Queue an operation on ``stream`` that reads and writes the byte ranges given; its index. ``keep``: the
@@ -141,8 +136,8 @@ def record_streams(monkeypatch):
         finally:
             rec.current = outer
 
-    names = iter(f"side{i}" for i in range(1000))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, **kw: rec.stream(next(names)))
+    sides = itertools.count()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None, **kw: FakeStream(f"side{next(sides)}"))
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(rec))
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec.current)
