@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from apexw_hf.accounting import optimizer_state_placement
-from apexw_hf.optim import ApexW
+from apexw_hf.optim import ApexW, tied_offload
 from apexw_hf.optim import offload as offload_mod
-from apexw_hf.optim import tied_offload
 
 from ..optim.release_model import groups, make, train, train_from, train_tied_from
 from .fake_streams import byte_range, record_streams
