@@ -41,6 +41,8 @@ how the tests check it.
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from .. import formats as st
@@ -71,6 +73,17 @@ ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the ke
 # state tensors of consecutive parameters lie one after the other, each at a multiple of ALIGN, as a piece lays them
 # out in its slot, so a piece of whole tensors is one copy each way instead of one per tensor.
 ARENA_BYTES = 256 * 2**20
+
+
+# Another copy that shares the link with the state's pieces (the tied weight's gradient part, tied_offload.py) goes on
+# the offload's stream of its direction in chunks of SIDE_CHUNK_BYTES: the first SIDE_FIRST_BYTES when it is queued,
+# then SIDE_RATIO of the bytes of each piece's copy that direction beside it, the rest when it is needed. A copy engine
+# runs one direction's copies in the order they were queued, so one copy of the whole part held every piece's copy
+# queued after it. The part going out is queued whole: its GPU memory is freed only when all of it is out, and going
+# out in chunks raised the 3B peak by 0.21 GiB (docs/gradient_release.md, "State offload").
+SIDE_CHUNK_BYTES = 16 * 2**20
+SIDE_FIRST_BYTES = {"out": float("inf"), "in": 16 * 2**20}
+SIDE_RATIO = {"out": 1.0, "in": 1.0}
 
 
 def _align(n: int) -> int:
@@ -106,6 +119,21 @@ class _Piece:
         self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
         self.copies: dict[int, tuple[int, list]] = {}  # slot index -> (its buffer's address, [(host, slot) views])
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
+
+
+class SideCopy:
+    """A copy queued beside the state's copies (:meth:`StateOffload.side_copy`): its chunks not yet issued, the event
+    its first chunk waits for, and ``done``, recorded on the stream after its last chunk."""
+
+    __slots__ = ("direction", "chunks", "after", "done")
+
+    def __init__(self, direction: str, chunks: list, after: list):
+        self.direction, self.chunks, self.after = direction, collections.deque(chunks), after
+        self.done = torch.cuda.Event()
+
+    @property
+    def issued(self) -> bool:
+        return not self.chunks
 
 
 class _Slot:
@@ -150,6 +178,7 @@ class StateOffload:
         self._free = 0
         # (id(param), key) -> (block, offset, bytes, address) of a state tensor taken from the blocks
         self._where: dict[tuple[int, str], tuple[int, int, int, int]] = {}
+        self._side: dict[str, collections.deque[SideCopy]] = {"in": collections.deque(), "out": collections.deque()}
         self.bytes_in = 0  # bytes copied host -> device since construction
         self.bytes_out = 0  # bytes copied device -> host
         self.hits = 0  # pieces whose state was on the device already (prefetched or resident)
@@ -337,6 +366,7 @@ class StateOffload:
                     dst.copy_(src, non_blocking=True)
                 out = slot.copied_out = torch.cuda.Event()
                 out.record(self._d2h)
+                self._pump("out", SIDE_RATIO["out"] * piece.size)
             for _, p, k, u0, u1, _, _ in piece.ranges:
                 self._host_ready.setdefault(id(p), {})[(k, u0, u1)] = out
         slot.copied_in = None  # the slot holds the updated state: it stays valid until overwritten
@@ -349,6 +379,7 @@ class StateOffload:
         if self._now:
             self._order, self._now = self._now, []
         self._launched = set()
+        self.finish_side()
         self._prefetch(0)
 
     # ---- copies ----------------------------------------------------------------------------------------------
@@ -401,6 +432,7 @@ class StateOffload:
                     d.copy_(h, non_blocking=True)
                 slot.copied_in = slot.copied_in or torch.cuda.Event()
                 slot.copied_in.record(self._h2d)
+                self._pump("in", SIDE_RATIO["in"] * piece.size)
         self.bytes_in += piece.size
 
     def _copies(self, index: int, piece: _Piece) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -459,6 +491,65 @@ class StateOffload:
                     s.key, s.piece = None, None
                     break
 
+    # ---- copies beside the state's ------------------------------------------------------------------------------
+
+    def streams_on(self, device: torch.device) -> bool:
+        """Whether :meth:`side_copy` can queue copies for ``device``: the offload streams the state of that device and
+        has its copy streams (it has run a launch)."""
+        return self.device == device and self._h2d is not None
+
+    def side_copy(self, direction: str, dst: torch.Tensor, src: torch.Tensor, wait=()) -> SideCopy:
+        """Queue ``dst.copy_(src)`` (``direction`` "in": host -> device, "out": device -> host; both contiguous, of
+        the same bytes) on the copy stream of that direction, in chunks beside the state's copies (``SIDE_*``). The
+        copy follows the work queued on the current stream so far (the device tensor's producer or allocation) and
+        the events of ``wait``; :meth:`finish` issues what is left, and ``.done`` is recorded after the last chunk."""
+        stream = self._h2d if direction == "in" else self._d2h
+        dev = dst if direction == "in" else src
+        after = torch.cuda.Event()
+        after.record(torch.cuda.current_stream(self.device))
+        d, s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        if d.numel() != s.numel():
+            raise ValueError(f"side_copy: {d.numel()} bytes into {s.numel()}")
+        n = SIDE_CHUNK_BYTES
+        job = SideCopy(direction, [(d[i : i + n], s[i : i + n]) for i in range(0, d.numel(), n)], [after, *wait])
+        dev.record_stream(stream)  # its memory is reused only once the stream has passed the copy's last chunk
+        self._side[direction].append(job)
+        self._pump(direction, SIDE_FIRST_BYTES[direction])
+        return job
+
+    def finish(self, job: SideCopy) -> None:
+        """Issue every chunk of ``job`` not issued yet (and of the side copies queued before it)."""
+        while not job.issued:
+            self._pump(job.direction, float("inf"), until=job)
+
+    def finish_side(self) -> None:
+        """Issue every side copy's chunks not issued yet."""
+        for direction in self._side:
+            self._pump(direction, float("inf"))
+
+    def _pump(self, direction: str, nbytes: float, until: SideCopy | None = None) -> None:
+        """Issue the queued side copies' chunks of ``direction``, in order, until ``nbytes`` are issued (at least
+        one chunk if any is queued) or ``until`` is."""
+        queue = self._side[direction]
+        if not queue:
+            return
+        stream = self._h2d if direction == "in" else self._d2h
+        with torch.cuda.stream(stream):
+            while queue and nbytes > 0:
+                job = queue[0]
+                for event in job.after:
+                    stream.wait_event(event)
+                job.after = []
+                dst, src = job.chunks.popleft()
+                dst.copy_(src, non_blocking=True)
+                nbytes -= dst.numel()
+                if job.chunks:
+                    continue
+                job.done.record(stream)
+                queue.popleft()
+                if job is until:
+                    return
+
     # ---- outside the step ------------------------------------------------------------------------------------
 
     def sync(self) -> None:
@@ -469,6 +560,7 @@ class StateOffload:
     def invalidate(self) -> None:
         """Forget what the slots hold, the learned order and the cuts (the host state was replaced:
         ``load_state_dict``)."""
+        self.finish_side()
         self.sync()
         for s in self.slots:
             s.key, s.piece, s.copied_in = None, None, None
@@ -478,6 +570,7 @@ class StateOffload:
 
     def abandon_step(self) -> None:
         """A backward pass that did not reach ``step()``: its launches so far are not an order to learn."""
+        self.finish_side()
         self._now, self._launched = [], set()
 
     def device_bytes(self) -> int:

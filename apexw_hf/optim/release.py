@@ -139,7 +139,7 @@ class GradientRelease:
     ):
         self._opt_ref = weakref.ref(optimizer)
         # the output layer's part of a tied weight's gradient, held in host memory until the rest arrives
-        self.offload = TiedGradOffload() if tied_grad_offload else None
+        self.offload = TiedGradOffload(optimizer._offload) if tied_grad_offload else None
         self.bucket_size = bucket_size  # None: the default limit, growing through each backward pass
         # elements released in this step so far, and in the last finished step (the default limit grows with their
         # ratio); counted as _fill counts them

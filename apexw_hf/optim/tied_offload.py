@@ -17,6 +17,11 @@ commutative, so the sum has the bits autograd's own sum of the two parts has, an
 If the weight gets no other gradient in a backward pass, the part alone is its gradient: autograd completes the
 weight's gradient right after that node (nothing is saved then), or the end of the pass applies it.
 
+With ``state_offload`` as well, both copies go on the state offload's copy streams, in chunks beside the state's
+pieces (:meth:`~apexw_hf.optim.offload.StateOffload.side_copy`) instead of whole on a stream of their own: a copy
+engine runs one direction's copies in the order they were queued, and the part's copies queued whole held the
+pieces' copies behind them.
+
 Only parameters registered under two names of the model (``named_parameters(remove_duplicate=False)``) are offloaded,
 and only contiguous CUDA gradients of plain tensors (not FSDP2's DTensor shards). The search needs the loss and the
 model before ``backward()``: Accelerate's ``backward`` (so the Trainer) passes them; a plain loop calls
@@ -33,6 +38,7 @@ import weakref
 import torch
 
 from .. import dtensor as dt
+from .offload import SideCopy
 
 PREFETCH_SHARE = 0.5  # the copy back starts once this share of the last step's gradient elements is released
 SEARCH_NODES = 256  # autograd nodes searched from the loss for the first use of a tied weight
@@ -63,16 +69,19 @@ class _Part:
 
     param: torch.Tensor
     host: torch.Tensor  # the pinned host buffer (a CPU copy in tests)
-    out: torch.cuda.Event | None  # recorded after the copy out (None: a CPU copy)
+    # recorded after the copy out (None: a CPU copy); a SideCopy where the state offload's streams carry it
+    out: object | None
     transposed: bool  # the buffer holds the part's transpose
     dev: torch.Tensor | None = None  # the copy back on the device, once started
-    back: torch.cuda.Event | None = None  # recorded after the copy back
+    back: object | None = None  # recorded after the copy back, or its SideCopy
 
 
 class TiedGradOffload:
     """The host buffers, streams and this step's offloaded gradient parts of one :class:`GradientRelease`."""
 
-    def __init__(self):
+    def __init__(self, link=None):
+        # the optimizer's StateOffload, whose copy streams carry the parts' copies (None: a stream of this offload's)
+        self._link = link
         # the models last asked about (weak references) and their tied parameters
         self._tied: tuple[list[weakref.ref], list[torch.Tensor]] = ([], [])
         self._host: dict[int, torch.Tensor] = {}  # id(param) -> its pinned host buffer
@@ -179,14 +188,21 @@ class TiedGradOffload:
             stream = self._streams[device] = torch.cuda.Stream(device)
         return stream
 
+    def _linked(self, device: torch.device) -> bool:
+        return self._link is not None and self._link.streams_on(device)
+
     def _copy_out(self, p: torch.Tensor, g: torch.Tensor, transposed: bool) -> None:
-        if not g.is_cuda:  # CPU gradients, in tests only (see _offloadable): a copy, no streams
+        if not g.is_cuda and not self._linked(g.device):  # CPU gradients, in tests only (see _offloadable): a copy
             self._parts[id(p)] = _Part(p, g.clone(), None, transposed)
             self.offloaded += 1
             return
         buf = self._host.get(id(p))
         if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
-            buf = self._host[id(p)] = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+            buf = self._host[id(p)] = torch.empty(g.shape, dtype=g.dtype, pin_memory=g.is_cuda)
+        if self._linked(g.device):
+            self._parts[id(p)] = _Part(p, buf, self._link.side_copy("out", buf, g), transposed)
+            self.offloaded += 1
+            return
         stream = self._stream(g.device)
         stream.wait_stream(torch.cuda.current_stream(g.device))
         with torch.cuda.stream(stream):
@@ -210,8 +226,12 @@ class TiedGradOffload:
             part.dev = part.host
             return
         device = part.param.device
-        stream = self._stream(device)
         dev = torch.empty(part.host.shape, dtype=part.host.dtype, device=device)
+        if isinstance(part.out, SideCopy):  # the state offload's streams carried it out
+            self._link.finish(part.out)  # every chunk out issued: its done event is recorded
+            part.dev, part.back = dev, self._link.side_copy("in", dev, part.host, wait=(part.out.done,))
+            return
+        stream = self._stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))  # the allocation, on the current stream
         with torch.cuda.stream(stream):
             stream.wait_event(part.out)
@@ -229,8 +249,12 @@ class TiedGradOffload:
             return None
         if part.dev is None:
             self._copy_in(part)
-        if part.back is not None:
-            torch.cuda.current_stream(p.device).wait_event(part.back)
+        back = part.back
+        if isinstance(back, SideCopy):
+            self._link.finish(back)
+            back = back.done
+        if back is not None:
+            torch.cuda.current_stream(p.device).wait_event(back)
         return part.dev.t() if part.transposed else part.dev
 
     def pending(self) -> list[torch.Tensor]:
@@ -239,4 +263,6 @@ class TiedGradOffload:
 
     def drop(self) -> None:
         """Forget this pass's parts (a step given up)."""
+        if self._link is not None:
+            self._link.finish_side()
         self._parts.clear()
