@@ -8,6 +8,10 @@ each rank's scales are padded to the largest local block count and exposed as a 
 layout ``torch.distributed.checkpoint`` expects), and the state records how many shards the blocks were cut for
 (``block_shards``). Loading quantized state for another number of shards raises a clear error; fp32 and compact state
 reshard freely.
+
+The local tensors of that state stay on the device they were made on, also where it is not the mesh's: state offload
+keeps them in host memory under a CUDA mesh (as FSDP2's ``CPUOffloadPolicy`` keeps its parameters), and
+``torch.distributed.checkpoint`` moves such shards to the mesh's device itself when it gathers them.
 """
 
 from __future__ import annotations
@@ -77,6 +81,25 @@ def max_local_blocks(p, block: int = ref.BLOCK) -> int:
     return ref.num_blocks(math.prod(shape), block)
 
 
+def _from_local(local: torch.Tensor, mesh, placements, shape, stride):
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)``, except that ``local`` stays where it
+    is (``from_local`` copies a tensor on another device type than the mesh's, e.g. host state under a CUDA mesh, to the
+    mesh's device)."""
+    DTensor = _dt_attr("DTensor")
+    if local.device.type == mesh.device_type or local.is_meta:
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def like(local: torch.Tensor, other) -> object:
+    """A ``DTensor`` over ``local`` (which stays where it is) with the mesh, placements, shape and stride of the
+    ``DTensor`` ``other``: a state tensor moved or copied as a local tensor, wrapped again."""
+    return _from_local(local, other.device_mesh, other.placements, other.shape, other.stride())
+
+
 def _scale_placements(p):
     shard, replicate = _dt_attr("Shard"), _dt_attr("Replicate")
     return [shard(0) if pl.is_shard() else replicate() for pl in p.placements]
@@ -84,7 +107,6 @@ def _scale_placements(p):
 
 def wrap_state(local_state: dict, p) -> dict:
     """Turn a freshly initialised local state (for ``p.to_local()``) into ``DTensor`` state for ``p``."""
-    DTensor = _dt_attr("DTensor")
     out = {"step": local_state["step"]}
     block = scale_block(local_state)
     for key, value in local_state.items():
@@ -95,13 +117,9 @@ def wrap_state(local_state: dict, p) -> dict:
             padded = torch.zeros(k, dtype=value.dtype, device=value.device)
             padded[: value.numel()] = value
             n = shard_count(p)
-            out[key] = DTensor.from_local(
-                padded, p.device_mesh, _scale_placements(p), run_check=False, shape=(k * n,), stride=(1,)
-            )
+            out[key] = _from_local(padded, p.device_mesh, _scale_placements(p), (k * n,), (1,))
         else:
-            out[key] = DTensor.from_local(
-                value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
+            out[key] = _from_local(value, p.device_mesh, p.placements, p.shape, p.stride())
     if "exp_avg_scale" in local_state:
         out["block_shards"] = shard_count(p)
     return out
