@@ -82,16 +82,22 @@ def max_local_blocks(p, block: int = ref.BLOCK) -> int:
 
 
 def _from_local(local: torch.Tensor, mesh, placements, shape, stride):
-    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)``, except that ``local`` stays where it
-    is (``from_local`` copies a tensor on another device type than the mesh's, e.g. host state under a CUDA mesh, to the
-    mesh's device)."""
-    DTensor = _dt_attr("DTensor")
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)``, except that ``local`` stays where
+    it is: ``from_local`` copies a tensor on another device type than the mesh's (host state under a CUDA mesh) to the
+    mesh's device."""
     if local.device.type == mesh.device_type or local.is_meta:
+        DTensor = _dt_attr("DTensor")
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return _over(local, mesh, placements, shape, stride)
+
+
+def _over(local: torch.Tensor, mesh, placements, shape, stride):
+    """A ``DTensor`` whose local tensor is ``local`` itself, wherever it is (FSDP2 builds its ``CPUOffloadPolicy``
+    parameters, host shards under a CUDA mesh, the same way)."""
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+    return _dt_attr("DTensor")(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
 def like(local: torch.Tensor, other) -> object:

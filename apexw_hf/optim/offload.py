@@ -25,15 +25,22 @@ gradient, a changed grouping) is copied in when it is launched: the same bits, l
 is never older than its last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above
 call it).
 
-Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the piece being launched, and with three
-slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once (the
-link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a slot,
-the copy out that last wrote the same elements' host state): nothing waits on the host.
+Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the piece being launched, and with
+three slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once
+(the link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a
+slot, the copy out that last wrote the same elements' host state): nothing waits on the host.
 
 The launches stay on the compute stream, which waits for each piece's copy in. Launching on a stream of their own
 would let backward run ahead of a piece that is late, but then every bucket's gradients are used on a second stream
 and the caching allocator can hand their memory to nothing else until that stream has passed them: on 8B shapes the
 peak reserved memory grew from 18.7 to 23.6-24.4 GiB (past what a 24 GB GPU holds) for 0-7% less time per step.
+
+Under FSDP2 each rank streams the state of its local shards through its own GPU. The state of a ``DTensor``
+parameter is what it is without offload (:mod:`apexw_hf.dtensor`: ``DTensor``s with the parameter's mesh and
+placements, block scales padded to the largest shard's count, ``block_shards``), over local tensors taken from the
+host blocks and left there (``DTensor.from_local`` would copy them to the mesh's device); the pieces are cut from the
+local shards and their local state, exactly as for plain tensors, so ``torch.distributed.checkpoint`` saves and loads
+the same state dicts with or without offload.
 
 On the CPU (the Triton interpreter runs the kernels on CPU tensors) the same logic runs with plain copies, which is
 how the tests check it.

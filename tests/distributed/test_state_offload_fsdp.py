@@ -17,6 +17,24 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without d
 FORMATS = ("8bit", "4bit", "compact")
 PIECE = 1500  # bytes of state per launch: each rank's shard of the first layer goes through in several pieces
 BUCKET = 100  # gradient elements per release launch
+STEPS = 3
+
+
+def _sharded(world):
+    """A smaller model than ``workers.make_model``'s (the kernels run under the interpreter here), sharded as
+    ``workers.sharded`` shards it: the first layer's 960 elements are 480 per rank (two work items, so its state goes
+    through in two pieces), the output layer's 5 rows are 3 + 2 (uneven shards)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _opt(model, fmt, offload, release):
@@ -47,7 +65,7 @@ def _state_dict_bits(sd) -> dict:
 
 
 def _same_as_device_state(world, fmt, release, data):
-    """FSDP2 with and without offload, 4 steps: the same parameters, state, state dicts, exports and dequantized
+    """FSDP2 with and without offload, 3 steps: the same parameters, state, state dicts, exports and dequantized
     state; where the offloaded state lives and what it reports."""
     from torch.distributed.tensor import DTensor
 
@@ -55,7 +73,7 @@ def _same_as_device_state(world, fmt, release, data):
 
     runs = []
     for offload in (False, True):
-        model = w.sharded(world)
+        model = _sharded(world)
         opt = _opt(model, fmt, offload, release)
         _train(model, opt, data, release)
         runs.append((model, opt))
@@ -80,7 +98,8 @@ def _same_as_device_state(world, fmt, release, data):
         "state_dict": w.same_bits(sa, sb),
         "export": w.same_bits(ea, eb),
         "dequantized": all(
-            w.same_bits(oa.dequantized_state(p), ob.dequantized_state(q)) for p, q in zip(a.parameters(), b.parameters())
+            w.same_bits(oa.dequantized_state(p), ob.dequantized_state(q))
+            for p, q in zip(a.parameters(), b.parameters())
         ),
         "in_blocks": in_blocks,
         "launches": len(off._order),
@@ -96,7 +115,7 @@ def _same_as_device_state(world, fmt, release, data):
 
 
 def _resume(world, rank, out, fmt, release, full, data):
-    """Offload checkpointed after 2 of 4 steps with torch.distributed.checkpoint (sharded) or a full state dict,
+    """Offload checkpointed after 2 of 3 steps with torch.distributed.checkpoint (sharded) or a full state dict,
     loaded into a new model and optimizer with offload and into one without: both continue as the unbroken run."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -105,14 +124,14 @@ def _resume(world, rank, out, fmt, release, full, data):
         set_optimizer_state_dict,
     )
 
-    model = w.sharded(world)
+    model = _sharded(world)
     opt = _opt(model, fmt, True, release)
     _train(model, opt, data, release)
     unbroken = w.gathered_params(model)
     if release:
         opt._release.remove_hooks()
 
-    model = w.sharded(world)
+    model = _sharded(world)
     opt = _opt(model, fmt, True, release)
     _train(model, opt, data[:2], release)
     osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
@@ -129,7 +148,7 @@ def _resume(world, rank, out, fmt, release, full, data):
 
     result = {}
     for offload in (True, False):
-        model2 = w.sharded(world)
+        model2 = _sharded(world)
         model2.load_state_dict(msd)
         opt2 = _opt(model2, fmt, offload, release)
         if full:
@@ -154,19 +173,58 @@ def _resume(world, rank, out, fmt, release, full, data):
     return result
 
 
+def _host_check(world):
+    """The host-memory check counts the ranks on this host (``LOCAL_WORLD_SIZE``), each needing its shards' state:
+    refused, naming the bytes, where this rank's state fits and the two ranks' do not."""
+    from apexw_hf.optim import offload as offload_mod
+
+    model = _sharded(world)
+    need = ApexW(model.parameters(), state_format="8bit", engine="triton", state_offload=True)._check_offload()
+    found = offload_mod.host_bytes_available
+    offload_mod.host_bytes_available = lambda: need * 3 // 2
+    out = {}
+    try:
+        for ranks in ("1", "2"):
+            os.environ["LOCAL_WORLD_SIZE"] = ranks
+            try:
+                ApexW(model.parameters(), state_format="8bit", engine="triton", state_offload=True)
+                out[ranks] = None
+            except ValueError as e:
+                out[ranks] = str(e)
+    finally:
+        offload_mod.host_bytes_available = found
+        os.environ.pop("LOCAL_WORLD_SIZE")
+    out["need"] = need
+    return out
+
+
 def _worker(rank, world, store, out):
     os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (on the first Triton step)
+    from apexw_hf import dtensor as dt
     from apexw_hf.optim import offload as offload_mod
 
     offload_mod.PIECE_BYTES = PIECE
+    # On a GPU the offloaded state is host tensors under a CUDA mesh, which dtensor._from_local wraps without
+    # DTensor.from_local (that would copy them to the GPU); here host and mesh are both the CPU, so every state tensor
+    # takes that path on purpose, and the DTensors the GPU would see go through the checkpoints below.
+    wrap, over, direct = dt._from_local, dt._over, []
+
+    def from_local(local, *args):
+        if local.is_meta:
+            return wrap(local, *args)
+        direct.append(local.numel())
+        return over(local, *args)
+
+    dt._from_local = from_local
     w.init(rank, world, store)
-    data = w.batches(4, rank, world)
-    result = {"package": __import__("apexw_hf").__file__}
+    data = w.batches(STEPS, rank, world)
+    result = {"package": __import__("apexw_hf").__file__, "host_check": _host_check(world)}
     for fmt in FORMATS:
         for release in (False, True):
             result[("same", fmt, release)] = _same_as_device_state(world, fmt, release, data)
     for fmt, release, full in (("8bit", False, False), ("4bit", True, False), ("4bit", False, True)):
         result[("resume", fmt, release, full)] = _resume(world, rank, out, fmt, release, full, data)
+    result["direct"] = len(direct)
     w.save_result(out, rank, result)
     w.finish()
 
@@ -180,6 +238,7 @@ def test_ranks_import_this_checkout(results):
     import apexw_hf
 
     assert all(r["package"] == apexw_hf.__file__ for r in results)
+    assert all(r["direct"] > 0 for r in results)  # the state was wrapped as on a GPU (see _worker)
 
 
 @pytest.mark.parametrize("release", [False, True], ids=["step", "release"])
@@ -209,3 +268,11 @@ def test_fsdp2_offload_resume_in_the_middle_is_exact(results, fmt, release, full
         res = r[("resume", fmt, release, full)]
         assert res[True]["equal"] and res[True]["on_host"]
         assert res[False]["equal"]
+
+
+def test_the_host_memory_check_counts_the_ranks_on_the_host(results):
+    for r in results:
+        res = r["host_check"]
+        assert res["1"] is None
+        total = 2 * res["need"]
+        assert f"({total} bytes) of host memory" in res["2"] and "2 ranks on this host" in res["2"], res["2"]
