@@ -173,6 +173,32 @@ def _resume(world, rank, out, fmt, release, full, data):
     return result
 
 
+def _swapped(world, data):
+    """An optimizer with offload built over the plain parameters, which are then sharded and replaced in its param
+    groups (what Accelerate's ``prepare(model, optimizer)`` does under FSDP2): the same bits as FSDP2 without offload
+    built over the shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    opt = _opt(model, "4bit", True, False)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt.param_groups[0]["params"] = list(model.parameters())
+    _train(model, opt, data, False)
+    ref_model = _sharded(world)
+    ref_opt = _opt(ref_model, "4bit", False, False)
+    _train(ref_model, ref_opt, data, False)
+    return {
+        "params": w.same_bits(w.gathered_params(model), w.gathered_params(ref_model)),
+        "state_dict": w.same_bits(_state_dict_bits(opt.state_dict()), _state_dict_bits(ref_opt.state_dict())),
+    }
+
+
 def _host_check(world):
     """The host-memory check counts the ranks on this host (``LOCAL_WORLD_SIZE``), each needing its shards' state:
     refused, naming the bytes, where this rank's state fits and the two ranks' do not."""
@@ -224,6 +250,7 @@ def _worker(rank, world, store, out):
             result[("same", fmt, release)] = _same_as_device_state(world, fmt, release, data)
     for fmt, release, full in (("8bit", False, False), ("4bit", True, False), ("4bit", False, True)):
         result[("resume", fmt, release, full)] = _resume(world, rank, out, fmt, release, full, data)
+    result["swapped"] = _swapped(world, data)
     result["direct"] = len(direct)
     w.save_result(out, rank, result)
     w.finish()
@@ -276,3 +303,8 @@ def test_the_host_memory_check_counts_the_ranks_on_the_host(results):
         assert res["1"] is None
         total = 2 * res["need"]
         assert f"({total} bytes) of host memory" in res["2"] and "2 ranks on this host" in res["2"], res["2"]
+
+
+def test_fsdp2_offload_with_parameters_sharded_after_the_optimizer_was_built(results):
+    for r in results:
+        assert r["swapped"] == {"params": True, "state_dict": True}
