@@ -39,6 +39,16 @@ _TORCH_ADAMW_FLAGS = dict(
 )
 
 
+def _interpreted() -> bool:
+    """Whether the Triton kernels run under the interpreter (on CPU tensors): imports them, which reads
+    ``TRITON_INTERPRET``."""
+    try:
+        from ..engines.triton.kernels import INTERPRETED
+    except ImportError:  # triton is not installed
+        return False
+    return INTERPRETED
+
+
 class ApexW(torch.optim.Optimizer):
     r"""AdamW with fp32, compact (bf16), 8-bit or 4-bit optimizer state, and one Triton launch per parameter group.
 
@@ -241,6 +251,15 @@ class ApexW(torch.optim.Optimizer):
                     f"{params[0].device} parameters with engine={group['engine']!r} runs on the plain-PyTorch engine "
                     "(its state is in host memory already when it trains on the CPU). Put the model on a CUDA GPU "
                     "with triton installed, or turn state_offload off."
+                )
+            off_gpu = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+            if off_gpu and not (off_gpu == ["cpu"] and _interpreted()):
+                raise ValueError(
+                    f"state_offload=True streams the state through the Triton kernels on a GPU, and a param group has "
+                    f"parameters on {', '.join(off_gpu)} (FSDP2's CPUOffloadPolicy keeps the shards there), where the "
+                    "kernels run only under the Triton interpreter. Put the model on a CUDA GPU (under FSDP2 without "
+                    "CPUOffloadPolicy: state_offload keeps the optimizer state in host memory by itself), or turn "
+                    "state_offload off."
                 )
             devices.update(p.device for p in params)
             meta = torch.device("meta")
