@@ -106,6 +106,14 @@ def like(local: torch.Tensor, other) -> object:
     return _from_local(local, other.device_mesh, other.placements, other.shape, other.stride())
 
 
+def host_stand_in(p: torch.Tensor) -> torch.Tensor:
+    """A tensor like parameter ``p`` (shape, dtype; a ``DTensor`` with ``p``'s mesh, placements and local shape) on the
+    host, holding no memory (one element, expanded): what ``formats.convert_state`` converts a loaded state entry for
+    when the state belongs in host memory (state offload), since it puts the state on its parameter's device."""
+    blank = torch.empty((), dtype=p.dtype).expand(local(p).shape)
+    return _over(blank, p.device_mesh, p.placements, p.shape, p.stride()) if is_dtensor(p) else blank
+
+
 def _scale_placements(p):
     shard, replicate = _dt_attr("Shard"), _dt_attr("Replicate")
     return [shard(0) if pl.is_shard() else replicate() for pl in p.placements]

@@ -784,8 +784,10 @@ class ApexW(torch.optim.Optimizer):
                 state[key] = entry  # torch keeps state that belongs to no parameter as it is
                 continue
             p, group = owner[key]
+            # offloaded state is converted on the host: on the parameter's device the whole state dict would be there
+            like = p if self._offload is None else dt.host_stand_in(p)
             converted = st.convert_state(
-                entry, p, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
+                entry, like, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
             )
             if converted:
                 state[p] = converted

@@ -199,6 +199,39 @@ def _swapped(world, data):
     }
 
 
+def _converted(world, data):
+    """A compact state dict loaded as 8-bit state into optimizers with and without offload: the same DTensor state
+    (converted on the host with offload, where it stays), and the same step after it."""
+    model = _sharded(world)
+    opt = _opt(model, "compact", False, False)
+    _train(model, opt, data[:2], False)
+    sd = opt.state_dict()
+    for group in sd["param_groups"]:
+        group["state_format"] = "8bit"
+    msd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    runs = []
+    for offload in (False, True):
+        m = _sharded(world)
+        m.load_state_dict(msd)
+        o = _opt(m, "8bit", offload, False)
+        o.load_state_dict(sd)
+        loaded = _state_dict_bits(o.state_dict())
+        _train(m, o, data[2:], False)
+        runs.append((loaded, w.gathered_params(m), o))
+    placed = {where[3] for where in runs[1][2]._offload._where.values()}  # the host tensors taken from its blocks
+    on_host = all(
+        v.to_local().device.type == "cpu" and v.to_local().data_ptr() in placed
+        for e in runs[1][2].state.values()
+        for k, v in e.items()
+        if k.startswith("exp_avg")
+    )
+    return {
+        "loaded": w.same_bits(runs[0][0], runs[1][0]),
+        "params": w.same_bits(runs[0][1], runs[1][1]),
+        "on_host": on_host,
+    }
+
+
 def _host_check(world):
     """The host-memory check counts the ranks on this host (``LOCAL_WORLD_SIZE``), each needing its shards' state:
     refused, naming the bytes, where this rank's state fits and the two ranks' do not."""
@@ -251,6 +284,7 @@ def _worker(rank, world, store, out):
     for fmt, release, full in (("8bit", False, False), ("4bit", True, False), ("4bit", False, True)):
         result[("resume", fmt, release, full)] = _resume(world, rank, out, fmt, release, full, data)
     result["swapped"] = _swapped(world, data)
+    result["converted"] = _converted(world, data)
     result["direct"] = len(direct)
     w.save_result(out, rank, result)
     w.finish()
@@ -308,3 +342,8 @@ def test_the_host_memory_check_counts_the_ranks_on_the_host(results):
 def test_fsdp2_offload_with_parameters_sharded_after_the_optimizer_was_built(results):
     for r in results:
         assert r["swapped"] == {"params": True, "state_dict": True}
+
+
+def test_fsdp2_offload_loads_state_of_another_format(results):
+    for r in results:
+        assert r["converted"] == {"loaded": True, "params": True, "on_host": True}
