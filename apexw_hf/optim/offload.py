@@ -25,10 +25,10 @@ gradient, a changed grouping) is copied in when it is launched: the same bits, l
 is never older than its last update once :meth:`StateOffload.sync` has returned (``state_dict`` and the readers above
 call it).
 
-Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the piece being launched, and with three
-slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once (the
-link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a slot,
-the copy out that last wrote the same elements' host state): nothing waits on the host.
+Slot ``i`` of step position ``k`` is ``k % slots``: a prefetch never overwrites the piece being launched, and with
+three slots the copy in of piece ``k + 1`` and the copy out of piece ``k - 1`` use different buffers and run at once
+(the link carries both directions). Copies are queued after the events they depend on (the launch that last wrote a
+slot, the copy out that last wrote the same elements' host state): nothing waits on the host.
 
 The launches stay on the compute stream, which waits for each piece's copy in. Launching on a stream of their own
 would let backward run ahead of a piece that is late, but then every bucket's gradients are used on a second stream
