@@ -11,6 +11,7 @@ record one); the rest is the record the tool wrote, as it wrote it (``apexw-comp
     python scripts/ledger.py add memory CELL.json ... --grid NAME  # runs of benchmarks/bench_full_finetune_memory.py
     python scripts/ledger.py add cpu_step RUN.json                 # one run of benchmarks/bench_cpu_step.py
     python scripts/ledger.py add host_link RUN.json --grid NAME    # one run of benchmarks/bench_host_link.py
+    python scripts/ledger.py add step_against RUN.json --grid NAME  # one run of benchmarks/bench_step_against.py
 
 The report makers (``scripts/make_*.py``) read the ledger through :func:`load`; after adding runs, rerun them.
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
-FAMILIES = ("compare", "compare_grids", "memory", "step", "cpu_step", "host_link")
+FAMILIES = ("compare", "compare_grids", "memory", "step", "cpu_step", "host_link", "step_against")
 _HEAD = ("run", "grid", "gpu", "commit", "date", "command")
 
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for p in args.paths:
         d = json.loads(p.read_text())
-        if args.family in ("memory", "host_link"):
+        if args.family in ("memory", "host_link", "step_against"):
             rows.append(row(d, p.stem, args.grid, d.get("gpu"), d.get("commit"), d.get("date"), args.command))
         elif args.family == "step":
             env = d["environment"]

@@ -135,11 +135,18 @@ class _Piece:
     ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
     (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
 
-    __slots__ = ("key", "programs", "ranges", "params", "tensors", "size", "tables", "copies")
+    __slots__ = ("key", "cut", "programs", "ranges", "params", "tensors", "size", "tables", "copies", "spans")
 
-    def __init__(self, key: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
-        self.key, self.programs, self.ranges, self.params = key, programs, ranges, params
+    def __init__(self, cut: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
+        # ``cut``: (launch key, plan index), one object shared by the pieces of one cut (compared by identity: a launch
+        # key is a tuple of every parameter's id, too long to hash or compare per piece)
+        self.key, self.cut, self.programs, self.ranges, self.params = cut + programs, cut, programs, ranges, params
         self.tensors = tensors  # of the plan
+        # (id(param), key) -> the unit ranges of that state tensor in this piece: what another piece's overlap is
+        # looked up in
+        self.spans: dict[tuple[int, str], list[tuple[int, int]]] = {}
+        for _, p, k, u0, u1, _, _ in ranges:
+            self.spans.setdefault((id(p), k), []).append((u0, u1))
         self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
         self.copies: dict[int, tuple[int, list]] = {}  # slot index -> (its buffer's address, [(host, slot) views])
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
@@ -193,7 +200,7 @@ class StateOffload:
         self._h2d = self._d2h = None  # side streams (CUDA)
         self._order: list[tuple[_Piece, dict]] = []  # the last finished step's pieces and their groups, in order
         self._now: list[tuple[_Piece, dict]] = []  # this step's so far
-        self._launched: set[tuple] = set()  # keys of this step's pieces
+        self._launched: set[_Piece] = set()  # this step's pieces (by identity)
         self._cuts: dict[tuple, tuple[object, list[_Piece]]] = {}  # (launch key, plan index) -> (plan, its pieces)
         # id(param) -> {(key, first unit, end unit): event after that range's last copy out} (CUDA)
         self._host_ready: dict[int, dict[tuple, object]] = {}
@@ -334,7 +341,7 @@ class StateOffload:
         def close(end: int) -> None:
             nonlocal ranges, members, size, first
             if end > first:
-                pieces.append(_Piece(key + (first, end), (first, end), ranges, members, len(params)))
+                pieces.append(_Piece(key, (first, end), ranges, members, len(params)))
             ranges, members, size, first = [], [], 0, end
 
         for j, (p, s) in enumerate(zip(params, states)):
@@ -367,8 +374,8 @@ class StateOffload:
     def _stage(self, group: dict, piece: _Piece) -> int:
         """Make the state of ``piece`` ready on the device for a launch on the current stream; its slot's index."""
         self._now.append((piece, group))
-        self._launched.add(piece.key)
-        index = next((i for i, s in enumerate(self.slots) if s.key == piece.key), None)
+        self._launched.add(piece)
+        index = next((i for i, s in enumerate(self.slots) if s.piece is piece), None)
         if index is None:
             self.misses += 1
             index = (len(self._now) - 1) % len(self.slots)
@@ -424,9 +431,9 @@ class StateOffload:
             return
         for pos in range(start, min(start + len(self.slots) - 1, len(self._order))):
             piece, group = self._order[pos]
-            if piece.key in self._launched:
+            if piece in self._launched:
                 continue  # launched already in this step (the order changed): nothing to prefetch
-            if any(s.key == piece.key for s in self.slots):
+            if any(s.piece is piece for s in self.slots):
                 continue
             self._copy_in(pos % len(self.slots), group, piece)
 
@@ -513,14 +520,14 @@ class StateOffload:
 
     def _drop_overlaps(self, index: int, piece: _Piece) -> None:
         """Forget every other slot's copy of state that ``piece`` updates: the launch about to run makes it stale."""
-        mine = {}
-        for _, p, k, u0, u1, _, _ in piece.ranges:
-            mine.setdefault((id(p), k), []).append((u0, u1))
+        mine, cut = piece.spans, piece.cut
         for i, s in enumerate(self.slots):
-            if i == index or s.piece is None:
+            other = s.piece
+            # the pieces of one cut (the same launch and plan) are disjoint: they split its work items
+            if i == index or other is None or other.cut is cut or mine.keys().isdisjoint(other.spans):
                 continue
-            for _, p, k, u0, u1, _, _ in s.piece.ranges:
-                if any(v0 < u1 and u0 < v1 for v0, v1 in mine.get((id(p), k), ())):
+            for t in mine.keys() & other.spans.keys():
+                if any(v0 < u1 and u0 < v1 for v0, v1 in mine[t] for u0, u1 in other.spans[t]):
                     s.key, s.piece = None, None
                     break
 
