@@ -8,6 +8,10 @@ each rank's scales are padded to the largest local block count and exposed as a 
 layout ``torch.distributed.checkpoint`` expects), and the state records how many shards the blocks were cut for
 (``block_shards``). Loading quantized state for another number of shards raises a clear error; fp32 and compact state
 reshard freely.
+
+The local tensors of that state stay on the device they were made on, also where it is not the mesh's: state offload
+keeps them in host memory under a CUDA mesh (as FSDP2's ``CPUOffloadPolicy`` keeps its parameters), and
+``torch.distributed.checkpoint`` moves such shards to the mesh's device itself when it gathers them.
 """
 
 from __future__ import annotations
@@ -77,6 +81,39 @@ def max_local_blocks(p, block: int = ref.BLOCK) -> int:
     return ref.num_blocks(math.prod(shape), block)
 
 
+def _from_local(local: torch.Tensor, mesh, placements, shape, stride):
+    """``DTensor.from_local(local, mesh, placements, shape=shape, stride=stride)``, except that ``local`` stays where
+    it is: ``from_local`` copies a tensor on another device type than the mesh's (host state under a CUDA mesh) to the
+    mesh's device."""
+    if local.device.type == mesh.device_type or local.is_meta:
+        DTensor = _dt_attr("DTensor")
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return _over(local, mesh, placements, shape, stride)
+
+
+def _over(local: torch.Tensor, mesh, placements, shape, stride):
+    """A ``DTensor`` whose local tensor is ``local`` itself, wherever it is (FSDP2 builds its ``CPUOffloadPolicy``
+    parameters, host shards under a CUDA mesh, the same way)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return _dt_attr("DTensor")(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def like(local: torch.Tensor, other) -> object:
+    """A ``DTensor`` over ``local`` (which stays where it is) with the mesh, placements, shape and stride of the
+    ``DTensor`` ``other``: a state tensor moved or copied as a local tensor, wrapped again."""
+    return _from_local(local, other.device_mesh, other.placements, other.shape, other.stride())
+
+
+def host_stand_in(p: torch.Tensor) -> torch.Tensor:
+    """A tensor like parameter ``p`` (shape, dtype; a ``DTensor`` with ``p``'s mesh, placements and local shape) on the
+    host, holding no memory (one element, expanded): what ``formats.convert_state`` converts a loaded state entry for
+    when the state belongs in host memory (state offload), since it puts the state on its parameter's device."""
+    blank = torch.empty((), dtype=p.dtype).expand(local(p).shape)
+    return _over(blank, p.device_mesh, p.placements, p.shape, p.stride()) if is_dtensor(p) else blank
+
+
 def _scale_placements(p):
     shard, replicate = _dt_attr("Shard"), _dt_attr("Replicate")
     return [shard(0) if pl.is_shard() else replicate() for pl in p.placements]
@@ -84,7 +121,6 @@ def _scale_placements(p):
 
 def wrap_state(local_state: dict, p) -> dict:
     """Turn a freshly initialised local state (for ``p.to_local()``) into ``DTensor`` state for ``p``."""
-    DTensor = _dt_attr("DTensor")
     out = {"step": local_state["step"]}
     block = scale_block(local_state)
     for key, value in local_state.items():
@@ -95,13 +131,9 @@ def wrap_state(local_state: dict, p) -> dict:
             padded = torch.zeros(k, dtype=value.dtype, device=value.device)
             padded[: value.numel()] = value
             n = shard_count(p)
-            out[key] = DTensor.from_local(
-                padded, p.device_mesh, _scale_placements(p), run_check=False, shape=(k * n,), stride=(1,)
-            )
+            out[key] = _from_local(padded, p.device_mesh, _scale_placements(p), (k * n,), (1,))
         else:
-            out[key] = DTensor.from_local(
-                value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
+            out[key] = _from_local(value, p.device_mesh, p.placements, p.shape, p.stride())
     if "exp_avg_scale" in local_state:
         out["block_shards"] = shard_count(p)
     return out

@@ -39,6 +39,16 @@ _TORCH_ADAMW_FLAGS = dict(
 )
 
 
+def _interpreted() -> bool:
+    """Whether the Triton kernels run under the interpreter (on CPU tensors): imports them, which reads
+    ``TRITON_INTERPRET``."""
+    try:
+        from ..engines.triton.kernels import INTERPRETED
+    except ImportError:  # triton is not installed
+        return False
+    return INTERPRETED
+
+
 class ApexW(torch.optim.Optimizer):
     r"""AdamW with fp32, compact (bf16), 8-bit or 4-bit optimizer state, and one Triton launch per parameter group.
 
@@ -90,8 +100,10 @@ class ApexW(torch.optim.Optimizer):
             its tensors' state into one of a few device buffers on a side stream, updates it there and copies it
             back while training goes on, prefetching the next launch's state in the order of the last step
             (:mod:`apexw_hf.optim.offload`). The GPU then holds the state of 3-4 launches instead of all of it;
-            the results are bit-identical. Needs the Triton engine on one GPU (CUDA parameters; CPU parameters only
-            under the Triton interpreter) and host memory for the whole state; not under FSDP2.
+            the results are bit-identical. Needs the Triton engine on one GPU per process (CUDA parameters; CPU
+            parameters only under the Triton interpreter) and host memory for the whole state. Under FSDP2 each rank
+            keeps the state of its local shards in host memory (the same ``DTensor`` state as without offload, over
+            host tensors) and streams it through its GPU.
         offload_piece_mib: with ``state_offload``, the most MiB of state one launch updates; the GPU holds three
             buffers of that size. None (default): 1/48 of the whole state, between 64 and 96 MiB, in three buffers,
             or four of 96 MiB for a larger state (:func:`apexw_hf.optim.offload.default_layout`). Smaller saves
@@ -222,25 +234,32 @@ class ApexW(torch.optim.Optimizer):
             )
 
     def _check_offload(self) -> int:
-        """Refuse ``state_offload=True`` where it cannot stream (not the Triton engine, several devices, FSDP2) or
-        where the host cannot hold the state, before anything is allocated. Returns the state's bytes."""
-        from .offload import host_bytes_available
+        """Refuse ``state_offload=True`` where it cannot stream (not the Triton engine, several devices) or where the
+        host cannot hold the state, before anything is allocated. Returns the state's bytes (this rank's shards under
+        FSDP2)."""
+        from .offload import host_bytes_available, local_ranks
 
         devices = set()
         needed = 0
+        sharded = False
         for group in self.param_groups:
             params = group["params"]
-            if any(dt.is_dtensor(p) for p in params):
-                raise ValueError(
-                    "state_offload=True does not support FSDP2 (DTensor) parameters yet; turn state_offload off, or "
-                    "train on one GPU"
-                )
+            sharded |= any(dt.is_dtensor(p) for p in params)
             if params and not engines.uses_triton(group["engine"], params):
                 raise ValueError(
                     f"state_offload=True streams the state through the Triton kernels on a GPU, and a param group of "
                     f"{params[0].device} parameters with engine={group['engine']!r} runs on the plain-PyTorch engine "
                     "(its state is in host memory already when it trains on the CPU). Put the model on a CUDA GPU "
                     "with triton installed, or turn state_offload off."
+                )
+            off_gpu = sorted({str(p.device) for p in params if p.device.type != "cuda"})
+            if off_gpu and not (off_gpu == ["cpu"] and _interpreted()):
+                raise ValueError(
+                    f"state_offload=True streams the state through the Triton kernels on a GPU, and a param group has "
+                    f"parameters on {', '.join(off_gpu)} (FSDP2's CPUOffloadPolicy keeps the shards there), where the "
+                    "kernels run only under the Triton interpreter. Put the model on a CUDA GPU (under FSDP2 without "
+                    "CPUOffloadPolicy: state_offload keeps the optimizer state in host memory by itself), or turn "
+                    "state_offload off."
                 )
             devices.update(p.device for p in params)
             meta = torch.device("meta")
@@ -251,12 +270,16 @@ class ApexW(torch.optim.Optimizer):
                 "Put the trained parameters on one GPU, or turn state_offload off."
             )
         available = host_bytes_available()
-        if available is not None and needed > available:
+        # FSDP2: every rank on this host keeps its shards' state in the same host memory, about as much as this one
+        ranks = local_ranks() if sharded else 1
+        if available is not None and needed * ranks > available:
+            total = needed * ranks
+            who = "" if ranks == 1 else f" ({ranks} ranks on this host, {needed} bytes of shards' state each)"
             raise ValueError(
-                f"state_offload=True needs {needed / 2**30:.2f} GiB ({needed} bytes) of host memory for the optimizer "
-                f"state, and the host has {available / 2**30:.2f} GiB available. Use a smaller state_format "
-                "('4bit': about 1.05 bytes per parameter, '8bit' about 2.02), free host memory, or turn "
-                "state_offload off."
+                f"state_offload=True needs {total / 2**30:.2f} GiB ({total} bytes) of host memory for the optimizer "
+                f"state{who}, and the host has {available / 2**30:.2f} GiB available. Use a smaller state_format "
+                "('4bit': about 1.05 bytes per parameter, '8bit' about 2.02), free host memory, shard over more "
+                "hosts, or turn state_offload off."
             )
         return needed
 
@@ -553,12 +576,8 @@ class ApexW(torch.optim.Optimizer):
             self._run_engine(group, ps, gs, (bucket, device), grad_scale)
 
     def _step_offloaded(self, group: dict, params: list, grads: list, bucket: object, grad_scale) -> None:
-        """``_step_params`` with ``state_offload``: the launch updates the state staged on the device for it."""
-        if dt.is_dtensor(params[0]):
-            raise ValueError(
-                "state_offload=True does not support FSDP2 (DTensor) parameters yet (the model was sharded after the "
-                "optimizer was built); turn state_offload off under FSDP2"
-            )
+        """``_step_params`` with ``state_offload``: the launch updates the state staged on the device for it (FSDP2:
+        the local shards' state)."""
         key = tuple(map(id, params))  # the offload's name of this launch (a release flush may span two groups)
         stager = self._offload.stager(group, key)
         self._run_engine(group, params, grads, bucket, grad_scale, stager)
@@ -765,8 +784,10 @@ class ApexW(torch.optim.Optimizer):
                 state[key] = entry  # torch keeps state that belongs to no parameter as it is
                 continue
             p, group = owner[key]
+            # offloaded state is converted on the host: on the parameter's device the whole state dict would be there
+            like = p if self._offload is None else dt.host_stand_in(p)
             converted = st.convert_state(
-                entry, p, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
+                entry, like, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
             )
             if converted:
                 state[p] = converted

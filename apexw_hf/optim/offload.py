@@ -35,6 +35,13 @@ would let backward run ahead of a piece that is late, but then every bucket's gr
 and the caching allocator can hand their memory to nothing else until that stream has passed them: on 8B shapes the
 peak reserved memory grew from 18.7 to 23.6-24.4 GiB (past what a 24 GB GPU holds) for 0-7% less time per step.
 
+Under FSDP2 each rank streams the state of its local shards through its own GPU. The state of a ``DTensor``
+parameter is what it is without offload (:mod:`apexw_hf.dtensor`: ``DTensor``s with the parameter's mesh and
+placements, block scales padded to the largest shard's count, ``block_shards``), over local tensors taken from the
+host blocks and left there (``DTensor.from_local`` would copy them to the mesh's device); the pieces are cut from the
+local shards and their local state, exactly as for plain tensors, so ``torch.distributed.checkpoint`` saves and loads
+the same state dicts with or without offload.
+
 On the CPU (the Triton interpreter runs the kernels on CPU tensors) the same logic runs with plain copies, which is
 how the tests check it.
 """
@@ -42,9 +49,11 @@ how the tests check it.
 from __future__ import annotations
 
 import collections
+import os
 
 import torch
 
+from .. import dtensor as dt
 from .. import formats as st
 
 DEFAULT_SLOTS = 3
@@ -94,6 +103,12 @@ def _tensor_keys(state: dict) -> list[str]:
     return [k for k in st.STATE_KEYS if k in state]
 
 
+def _local_state(state: dict, p: torch.Tensor) -> dict:
+    """The state tensors a launch reads for ``p``: its own, or for an FSDP2 (``DTensor``) parameter those of its local
+    shard (:func:`apexw_hf.dtensor.local_view`: host tensors, block scales cut to the shard's blocks)."""
+    return dt.local_view(state, p) if dt.is_dtensor(p) else state
+
+
 def host_bytes_available() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes, or None where there is none (not Linux)."""
     try:
@@ -104,6 +119,15 @@ def host_bytes_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+def local_ranks() -> int:
+    """The processes of this job on this host (``LOCAL_WORLD_SIZE``, which torchrun and ``accelerate launch`` set; 1
+    where it is not set)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class _Piece:
@@ -195,12 +219,15 @@ class StateOffload:
 
     def host_state(self, p: torch.Tensor, group: dict) -> dict:
         """``optimizer.state[p]``, created in (pinned) host memory if it is new: zeros, its tensors taken one after
-        the other from the current host block (:data:`ARENA_BYTES`)."""
+        the other from the current host block (:data:`ARENA_BYTES`). For an FSDP2 (``DTensor``) parameter the state
+        is what it is without offload (``DTensor``s with the parameter's mesh, block scales padded to the largest
+        shard's count, ``block_shards``) over local tensors in host memory: this rank's shard."""
         state = self.optimizer.state[p]
         if not state:
             meta = st.init_state(p, group["state_format"], device=torch.device("meta"))
             keys = _tensor_keys(meta)
-            need = sum(_align(meta[k].numel() * meta[k].element_size()) for k in keys)
+            local = {k: dt.local(meta[k]) for k in keys}
+            need = sum(_align(local[k].numel() * local[k].element_size()) for k in keys)
             try:
                 block, start = self._take(need, p.device.type == "cuda")
             except RuntimeError as e:
@@ -212,26 +239,32 @@ class StateOffload:
             state["step"] = meta["step"].new_zeros((), device="cpu")
             off = start
             for k in keys:
-                state[k] = self._place(p, k, block, off, meta[k])
-                off += _align(meta[k].numel() * meta[k].element_size())
+                t = self._place(p, k, block, off, local[k])
+                state[k] = dt.like(t, meta[k]) if dt.is_dtensor(meta[k]) else t
+                off += _align(t.numel() * t.element_size())
+            if "block_shards" in meta:
+                state["block_shards"] = meta["block_shards"]
         return state
 
     def load_host(self, p: torch.Tensor, entry: dict) -> dict:
         """A loaded state entry of ``p`` as the offload keeps it: each tensor copied into ``p``'s host state tensor of
         that key where it has one of the same shape and dtype, else into new host memory from the blocks; never the
         loaded state dict's own tensors, which the copies out would then overwrite. ``step`` stays the 0-dim CPU
-        tensor it is. Called after :meth:`invalidate` (no copy is in flight)."""
+        tensor it is. A ``DTensor`` entry (FSDP2) is handled by its local tensors and wrapped again like the loaded
+        one. Called after :meth:`invalidate` (no copy is in flight)."""
         old = self.optimizer.state.get(p, {})
         out = {}
         for k, v in entry.items():
             if k != "step" and isinstance(v, torch.Tensor):
-                cur = old.get(k)
+                src, cur = dt.local(v), old.get(k)
+                cur = None if cur is None else dt.local(cur)
                 where = self._where.get((id(p), k))
-                fits = cur is not None and cur.shape == v.shape and cur.dtype == v.dtype
+                fits = cur is not None and cur.shape == src.shape and cur.dtype == src.dtype
                 if not fits or where is None or where[3] != cur.data_ptr():
-                    block, off = self._take(_align(v.numel() * v.element_size()), p.device.type == "cuda")
-                    cur = self._place(p, k, block, off, v)
-                v = cur.copy_(v)
+                    block, off = self._take(_align(src.numel() * src.element_size()), p.device.type == "cuda")
+                    cur = self._place(p, k, block, off, src)
+                cur.copy_(src)
+                v = dt.like(cur, v) if dt.is_dtensor(v) else cur
             out[k] = v
         return out
 
@@ -301,7 +334,7 @@ class StateOffload:
         cached = self._cuts.get(key)
         if cached is not None and cached[0] is plan:
             return cached[1]
-        states = [self.optimizer.state[p] for p in params]
+        states = [_local_state(self.optimizer.state[p], p) for p in params]
         starts, per_item = plan.chunk_starts, plan.chunk_elements
         pieces, ranges, members, size, first = [], [], [], 0, 0
 
@@ -312,7 +345,7 @@ class StateOffload:
             ranges, members, size, first = [], [], 0, end
 
         for j, (p, s) in enumerate(zip(params, states)):
-            n = p.numel()
+            n = dt.local(p).numel()
             tensors = [(k, s[k].view(-1)) for k in _tensor_keys(s)]
             unit = {k: (1 if t.numel() == n else st.SCALE_BLOCKS[plan.fmt], t.element_size()) for k, t in tensors}
             item_bytes = sum(_align(per_item // u * b) for u, b in unit.values())  # a bound with alignment
@@ -452,10 +485,10 @@ class StateOffload:
         cached = piece.copies.get(index)
         if cached is not None and cached[0] == base:
             return cached[1]
-        host = self.optimizer.state
+        host = {id(p): _local_state(self.optimizer.state[p], p) for p in piece.params}
         spans: list[list] = []  # [block or None, host start, host end, slot start, slot end, ends its tensor, view]
         for _, p, k, u0, u1, b, off in piece.ranges:
-            t = host[p][k]
+            t = host[id(p)][k]
             where = self._where.get((id(p), k))
             n = (u1 - u0) * b
             if where is None or where[3] != t.data_ptr():  # not taken from the blocks (a loaded state dict's)

@@ -8,6 +8,7 @@ import torch
 
 from apexw_hf.accounting import optimizer_state_placement
 from apexw_hf.optim import ApexW, tied_offload
+from apexw_hf.optim import base as optim_base
 from apexw_hf.optim import offload as offload_mod
 
 from ..optim.release_model import groups, make, train, train_from, train_tied_from
@@ -88,7 +89,8 @@ def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_ch
         largest = max(piece.size for piece in _pieces(off))
         assert off.device_bytes() == len(off.slots) * largest
         assert largest <= PIECE
-        assert max(sum(s[k].numel() * s[k].element_size() for k in s if k != "step") for s in opt.state.values()) > PIECE
+        sizes = [sum(s[k].numel() * s[k].element_size() for k in s if k != "step") for s in opt.state.values()]
+        assert max(sizes) > PIECE
 
 
 def test_a_changed_order_falls_back_to_copies_and_keeps_the_bits(small_chunks):
@@ -201,6 +203,10 @@ def test_errors_name_what_is_wrong(monkeypatch):
         ApexW(model.parameters(), state_offload="yes")
     with pytest.raises(ValueError, match="plain-PyTorch engine"):
         ApexW(model.parameters(), engine="torch", state_offload=True)
+    with monkeypatch.context() as m:  # CPU parameters outside the interpreter (FSDP2's CPUOffloadPolicy shards too)
+        m.setattr(optim_base, "_interpreted", lambda: False)
+        with pytest.raises(ValueError, match=r"parameters on cpu \(FSDP2's CPUOffloadPolicy.*CUDA GPU"):
+            ApexW(model.parameters(), engine="triton", state_offload=True)
     monkeypatch.setattr(offload_mod, "host_bytes_available", lambda: 1000)
     with pytest.raises(ValueError, match=r"needs 0\.00 GiB \(\d+ bytes\) of host memory .* has 0\.00 GiB available"):
         ApexW(model.to(DEVICE).parameters(), engine="triton", state_format="8bit", state_offload=True)
