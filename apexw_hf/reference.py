@@ -694,6 +694,7 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_sc
     vb = _blocks(v, BLOCK4)
     sv, inv = v4_scale(vb, prev_v_scale, beta2)
     cv = v4_code(_normalized(vb, inv), rb)
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)  # also where v * (1 / scale) underflows to 0
     mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
     return mv, sm, sv
 
