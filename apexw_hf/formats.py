@@ -30,8 +30,8 @@ deterministically).
 The 4-bit codes are of format version 3 (``reference.quantize_mv4``), and the scales' dtypes say which version an
 entry holds: both fp32 (the exact block absmax of ``m``, the envelope scale of ``v``) is version 3, a bf16
 ``exp_avg_scale`` with an fp32 ``exp_avg_sq_scale`` version 2 (``reference.quantize_mv4_v2``, ``"4bit_v2"``), both
-bf16 version 1 (``reference.quantize_mv4_v1``, ``"4bit_v1"``); versions 1 and 2 are converted on load the same way. A scale of any other dtype or
-shape is refused with a ``ValueError`` before anything changes.
+bf16 version 1 (``reference.quantize_mv4_v1``, ``"4bit_v1"``); versions 1 and 2 are converted on load the same way.
+A scale of any other dtype or shape is refused with a ``ValueError`` before anything changes.
 
 Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 8bit_v2, 4bit_v1, 4bit_v2 and
 ``torch.optim.AdamW``'s float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by
@@ -130,7 +130,8 @@ def state_format_of(state: dict) -> str | None:
     """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
     version 1 (int8 ``exp_avg``; always converted), ``"8bit_v2"`` for those of version 2 (uint8 codes with a bf16
     ``exp_avg_sq_scale``; always converted), ``"4bit_v2"`` and ``"4bit_v1"`` for 4-bit codes of format version 2 (a
-    bf16 ``exp_avg_scale``, an fp32 ``exp_avg_sq_scale``) and version 1 (both scales bf16; both always converted), ``"float"`` for moments of another float dtype
+    bf16 ``exp_avg_scale``, an fp32 ``exp_avg_sq_scale``) and version 1 (both scales bf16; both always converted),
+    ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
     if MV4_KEY in state:

@@ -1,8 +1,8 @@
 """Elementwise passes of the plain-PyTorch engine (:mod:`apexw_hf.engines.torch`) over one chunk.
 
 Each function is one piece of ``reference.adamw_step_ref_`` rewritten as in-place or ``out=`` passes over
-preallocated scratch, with the same bits: the random words and stochastic rounding to bf16 (8-bit and 4-bit state, format
-version 3, is coded by the reference's own functions, :mod:`apexw_hf.engines.torch`).
+preallocated scratch, with the same bits: the random words and stochastic rounding to bf16 (8-bit and 4-bit state,
+format version 3, is coded by the reference's own functions, :mod:`apexw_hf.engines.torch`).
 Scalar operands are 0-dim tensors (:class:`Consts`): a Python number costs a conversion per call,
 and for integer ops it also takes a slower, unvectorized path. No fused multiply-add anywhere: ``addcmul`` and
 ``add(alpha=)`` on floats are fused in torch's CPU kernels, so only plain ``mul``/``add``/``div`` touch fp32 values.
@@ -19,7 +19,6 @@ view of the words (:func:`high_halves`; a strided copy is about twice as slow as
 
 from __future__ import annotations
 
-import math
 import sys
 
 import numpy as np
