@@ -651,8 +651,8 @@ def v4_code(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     Integer work on the fp32 bits, exact in every engine: with ``e`` the exponent field of ``y`` and ``f`` its 23
     mantissa bits, ``d = e - (127 - 28)``, the lower code is ``d // 2 + 1`` and the position ``u = q / Q`` with ``q =
     f`` (``d`` even) or ``2**23 + 2 f`` (``d`` odd) and ``Q = 3 * 2**23``. With ``r`` the 16 random bits, the code
-    rounds up iff ``(r + 1/2) / 2**16 < P(u)``, that is iff ``(2 r + 1) * 9 * 2**36 < q * (a Q - (a - 128) q)``, ``a`` = 237:
-    both sides below 2**59, so int64 products, no rounding anywhere.
+    rounds up iff ``(r + 1/2) / 2**16 < P(u)``, that is iff ``(2 r + 1) * 9 * 2**36 < q * (a Q - (a - 128) q)``, ``a``
+    = 237: both sides below 2**59, so int64 products, no rounding anywhere.
     """
     b = y.view(torch.int32).to(torch.int64)
     d = (b >> 23) - V4_EXP_MIN

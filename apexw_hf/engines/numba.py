@@ -358,8 +358,8 @@ def step_4bit(
 ):
     """One chunk with 4-bit state, format version 3 (``codes``: both moments per byte, ``reference.quantize_mv4``;
     ``m_scale``, ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block
-    of 128 elements is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's 256-element block,
-    -1 where the tensor ends first) has a non-finite value."""
+    of 128 elements is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's
+    256-element block, -1 where the tensor ends first) has a non-finite value."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
