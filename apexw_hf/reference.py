@@ -40,30 +40,36 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   within 2% of AdamW's from 2**4 to 2**24 below it (``docs/skewed_blocks.md``). Format version 2 (e4m4 ``v``, bf16
   ``v`` scale, :func:`dequantize_v_v2`) and version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``) are read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
-* ``4bit`` (format version 2): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
-  codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), a bf16 ``m`` scale and an fp32 ``v`` scale per block, about
-  1.05 bytes per parameter. ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is
-  ``2**(c - 7)``, so 2**-6 .. 1, and code 0 is zero) with the ``8bit`` scale (absmax rounded up to bf16); ``v`` is
-  e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for zero) of the block's exact fp32 absmax:
-  the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer work, so
-  zero stays zero and a nonzero ``v`` never decodes to zero; ``m`` rounds unbiased, ``v`` unbiased in ``log2(v)``
-  (:func:`v4_log_warp`: the update divides by ``sqrt(v)``, and rounding unbiased in ``v`` made it 11% too large).
-  The exact ``v`` scale is what version 2 adds first: a block whose ``v`` decays keeps its codes while its scale
-  decays by ``beta2`` in fp32, where version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a
-  whole binade at random, a random walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at
-  ``beta2 = 0.999``). ``v`` rounds with 16 random bits
-  (:func:`v4_rand_offset`), so an element whose block maximum is held by another one still decays at any
-  ``beta2 <= 1 - 2**-17`` (such an element's ``log2(v)`` still walks: a limit of one code per binade).
-  The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
-  and lets a kernel read and write both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers
-  with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
+* ``4bit`` (format version 3): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
+  codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``) and two fp32 scales per block, 1.0625 bytes per parameter.
+  ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is ``2**(c - 7)``, so 2**-6 .. 1,
+  and code 0 is zero) of the block's exact fp32 absmax, encoded by the minifloat integer work of ``8bit`` and rounded
+  unbiased with 8 random bits. ``v``'s code ``c >= 1`` is ``2**(2 (c - 15))``, two binades a code, 2**-28 .. 1, and
+  code 0 only zero (a nonzero ``v`` never gets it), of an fp32 envelope scale (:func:`v4_scale`: :func:`v8_scale` with
+  4x headroom, so that a restart puts the maximum on a code); it rounds up with probability ``A u + (1 - A) u**2`` of
+  its position ``u`` in the code's interval (:func:`v4_code`, integer work, 16 random bits, ``A`` = 1.85), which keeps
+  ``E[1/sqrt(v)]``, what the update divides by, near ``1/sqrt(v)`` with codes this coarse. Why version 3 (issue 45):
+  version 2's ``v`` (e4m0, one code per binade down to 2**-14 of the block's exact absmax, rounded unbiased in
+  ``log2(v)`` by :func:`v4_log_warp`, with a bf16 ``m`` scale) read an element further below its block's maximum as
+  2**-14 of it (0.49x AdamW's update at 2**16, 0.025x at 2**24), and after a burst of large gradients its codes,
+  re-rounded whenever the maximum moved, walked (1.2-1.4x); version 3 reaches 2**-28 of the envelope and stays within
+  0.9-1.1 of AdamW's update size up to 2**20 below the maximum (``docs/skewed_blocks.md``; at 2**24 0.86-1.2). The
+  fp32 ``m`` scale is also what tells a version-3 entry from a version-2 one (:mod:`apexw_hf.formats`); versions 2
+  (:func:`quantize_mv4_v2`, :func:`dequantize_mv4_v2`) and 1 (a bf16 ``v`` scale, :func:`quantize_mv4_v1`) are read
+  to convert their checkpoints. The one byte per element keeps the state shaped like the parameter (so ``DTensor``
+  shards it like the parameter) and lets a kernel read and write both moments with one byte access. Li et al.
+  (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128
+  and a ``v`` code without a zero point.
 
 Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
-``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` and ``4bit`` round ``m`` with
-bits 0-5 (6 bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``v`` with bits 6-21 (16 bits: with
-``beta2 = 0.9999`` each step moves a decaying ``v`` by a small fraction of a code; the top six are shared with a bf16
+``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` rounds ``m`` with bits 0-5 (6
+bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``v`` with bits 6-21 (16 bits: with ``beta2 =
+0.9999`` each step moves a decaying ``v`` by a small fraction of a code; the top six are shared with a bf16
 parameter's least significant ones; two contiguous fields cost the kernel fewer operations and registers than split
-ones), and the top 16 bits round a bf16 parameter, so their kernels hash one word per element instead of two.
+ones). ``4bit`` rounds ``m`` with bits 0-7 (an ``m`` far below its block's maximum rounds to 0 or the least code with
+a small probability, which 6 bits resolved too coarsely) and ``v`` with bits 8-23 (16 bits; 14, bits 8-21, measured
+worse at 2**24 below the block maximum; the top eight are a bf16 parameter's least significant). The top 16 bits round
+a bf16 parameter, so these kernels hash one word per element instead of two.
 
 Non-finite gradients. A *block* of 256 consecutive elements of the flattened tensor (:data:`BLOCK`, the ``8bit``
 scale block, two ``4bit`` ones, one row of the kernel's tile) whose gradient holds a NaN or an infinity (after

@@ -217,10 +217,10 @@ class _Layout:
         scl, parts = None, None
         if blk:
             sdt = SCALE_DTYPES[fmt]
-            if sdt[0] == sdt[1]:  # 8-bit: both in one buffer, encoded and decoded by one operation
+            if sdt[0] == sdt[1]:  # 4-bit (format version 3): both fp32, in one buffer
                 scl = torch.zeros(2 * nb, dtype=sdt[0], device=dev)
                 parts = (scl[:nb], scl[nb:])
-            else:  # 4-bit (format version 2): bf16 m scales, fp32 v scales
+            else:  # 8-bit (format version 3): bf16 m scales, fp32 v scales
                 parts = tuple(torch.zeros(nb, dtype=d, device=dev) for d in sdt)
         moved = set()
         for j, (slot, _, k, o, whole) in enumerate(ch.segs):

@@ -59,10 +59,10 @@ def test_every_code_decodes_to_its_documented_value():
 
 
 def test_representable_values_encode_to_themselves_for_every_word():
-    """The code values (m: 0, 2**-6 .. 1; v: 0, 2**-28, 2**-26 .. 1) keep their codes under every pattern of their
-    random bits (m: bits 0-7, v: bits 8-23) with the other bits of the word 0 or 1, through quantize and dequantize
+    """The code values (m: 0, 2**-6 .. 1; v: 0, 2**-28, 2**-26 .. 1) keep their codes under every pattern of v's random
+    bits (from bit 8) with the top and low bytes of the word 0 or 1 (m's random bits), through quantize and dequantize
     with a block scale (m: the block's absmax, 1; v: a kept previous scale of 1)."""
-    r = torch.arange(1 << 16, dtype=torch.int64)
+    r = torch.arange(1 << ref.V4V3_RAND_BITS, dtype=torch.int64)
     for top in (0, 0xFF000000):
         for low in (0, 0xFF):
             words = top | (r << ref.V4V3_RAND_SHIFT) | low
@@ -121,26 +121,29 @@ def test_m_rounding_is_unbiased():
 
 @pytest.mark.parametrize("k", [1, 7, 14])
 def test_v_rounds_up_with_probability_a_u_plus_1_minus_a_u_squared(k):
-    """In the interval of lower code ``k``, at positions ``u`` in both of its binades, over all 2**16 random values:
-    the share of code ``k + 1`` is ``A u + (1 - A) u**2`` within 2**-16; the codes are only ``k`` and ``k + 1``."""
-    r = torch.arange(1 << 16, dtype=torch.int64) << ref.V4V3_RAND_SHIFT
+    """In the interval of lower code ``k``, at positions ``u`` in both of its binades, over all values of its random
+    bits: the share of code ``k + 1`` is ``A u + (1 - A) u**2`` to their resolution; the codes are only ``k`` and
+    ``k + 1``."""
+    nbits = ref.V4V3_RAND_BITS
+    r = torch.arange(1 << nbits, dtype=torch.int64) << ref.V4V3_RAND_SHIFT
     low = V_VALUES[k]
     for t in (1.0, 1.1, 1.5, 1.999, 2.0, 2.5, 3.7, 3.9999):
         y = torch.full((r.numel(),), t * low)
         c = ref.v4_code(y, r)
         assert set(c.unique().tolist()) <= {k, k + 1}
         u = (float(y[0]) / low - 1) / 3
-        assert abs((c == k + 1).double().mean().item() - (A * u + (1 - A) * u * u)) <= 2.0**-16, t
+        assert abs((c == k + 1).double().mean().item() - (A * u + (1 - A) * u * u)) <= 2.0**-nbits, t
 
 
 def test_v_code_is_integer_exact():
-    """``reference.v4_code`` against the comparison it is meant to be, ``(r + 1/2) / 2**16 < P(u)`` with ``u`` and
-    ``P`` in exact rational arithmetic, at random positions and random values."""
+    """``reference.v4_code`` against the comparison it is meant to be, ``(r + 1/2) / 2**n < P(u)`` (``n`` random bits)
+    with ``u`` and ``P`` in exact rational arithmetic, at random positions and random values."""
     from fractions import Fraction
 
     gen = torch.Generator().manual_seed(3)
     y = (torch.rand(3000, generator=gen) ** 20).clamp(min=2.0**-28)
-    r = torch.randint(0, 1 << 16, (3000,), generator=gen)
+    nbits = ref.V4V3_RAND_BITS
+    r = torch.randint(0, 1 << nbits, (3000,), generator=gen)
     c = ref.v4_code(y, r << ref.V4V3_RAND_SHIFT)
     a = Fraction(ref.V4_ROUND_A, 128)
     for yi, ri, ci in zip(y.tolist(), r.tolist(), c.tolist()):
@@ -148,7 +151,7 @@ def test_v_code_is_integer_exact():
         k = (e + 28) // 2 + 1  # the lower code
         low = Fraction(2) ** (2 * k - 30)
         u = (Fraction(yi) / low - 1) / 3
-        up = Fraction(2 * ri + 1, 1 << 17) < a * u + (1 - a) * u * u
+        up = Fraction(2 * ri + 1, 1 << (nbits + 1)) < a * u + (1 - a) * u * u
         assert ci == k + up, (yi, ri)
 
 
