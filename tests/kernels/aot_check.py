@@ -164,7 +164,7 @@ def main(cc: int) -> int:
         k = triton.compile(
             src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
         )
-        bad = [b for b in BAD if re.search(b, k.asm["ptx"], re.M)] + fma_problems(k.asm["ptx"], 0)
+        bad = [b for b in BAD if re.search(b, k.asm["ptx"], re.M)] + fma_problems(k.asm["ptx"])
         failures += bool(bad)
         name = f"grad_sumsq g={spec['G_DTYPE']} rows={spec['ROWS']} aligned={spec['ALIGNED']}"
         print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
@@ -175,7 +175,7 @@ def main(cc: int) -> int:
         )
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        bad = [b for b in BAD if re.search(b, ptx, re.M)] + fma_problems(ptx, 0)
+        bad = [b for b in BAD if re.search(b, ptx, re.M)] + fma_problems(ptx)
         bad += [f"missing {r}" for r in REQUIRED if spec["CLIP"] and not re.search(r, ptx)]
         failures += bool(bad)
         name = f"release_norm lo={signature['coef_lo_ptr']} " + " ".join(f"{k}={v}" for k, v in spec.items())
