@@ -20,11 +20,12 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   times the scale;
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
-  propagates as ``torch.amax``'s does), rounded up to bf16 for ``m``; ``v``'s scale in fp32 (8-bit: the envelope of
-  ``reference.v8_scale``; 4-bit: the exact absmax), a NaN canonical;
-* the random word ``mix32(index * GOLDEN + key)``, its bits 0-5 rounding ``m``, 6-21 ``v`` and 16-31 a bf16
-  parameter (``reference.param_stream``);
-* the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
+  propagates as ``torch.amax``'s does); ``m``'s scale rounded up to bf16 (8-bit) or the exact fp32 absmax (4-bit),
+  ``v``'s in fp32, the envelope of ``reference.v8_scale`` (8-bit) or ``reference.v4_scale`` (4-bit), a NaN canonical;
+* the random word ``mix32(index * GOLDEN + key)``, its bits 0-5 (8-bit) or 0-7 (4-bit) rounding ``m``, 6-21 or 8-23
+  ``v``, and 16-31 a bf16 parameter (``reference.param_stream``);
+* the codes of ``reference.minifloat_code`` (4-bit ``v``: ``reference.v4_code``'s integer threshold), a nonzero ``v``
+  never getting code 0.
 
 A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
 256-element block, ``reference.nonfinite_blocks``) is flagged in ``skip`` and not written; the host counts the flags.
