@@ -52,8 +52,9 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   version 2's ``v`` (e4m0, one code per binade down to 2**-14 of the block's exact absmax, rounded unbiased in
   ``log2(v)`` by :func:`v4_log_warp`, with a bf16 ``m`` scale) read an element further below its block's maximum as
   2**-14 of it (0.49x AdamW's update at 2**16, 0.025x at 2**24), and after a burst of large gradients its codes,
-  re-rounded whenever the maximum moved, walked (1.2-1.4x); version 3 reaches 2**-28 of the envelope and stays within
-  0.9-1.1 of AdamW's update size up to 2**20 below the maximum (``docs/skewed_blocks.md``; at 2**24 0.86-1.2). The
+  re-rounded whenever the maximum moved, walked (1.2-1.4x); version 3 reaches 2**-28 of the envelope and keeps the
+  update size at 0.95-1.02 of AdamW's up to 2**24 below the maximum, except after a burst into a decaying block
+  (1.03-1.12 from 2**20 on; ``docs/skewed_blocks.md``). The
   fp32 ``m`` scale is also what tells a version-3 entry from a version-2 one (:mod:`apexw_hf.formats`); versions 2
   (:func:`quantize_mv4_v2`, :func:`dequantize_mv4_v2`) and 1 (a bf16 ``v`` scale, :func:`quantize_mv4_v1`) are read
   to convert their checkpoints. The one byte per element keeps the state shaped like the parameter (so ``DTensor``

@@ -14,12 +14,13 @@ class ApexW4bit(ApexW):
     (unbiased for ``m``; for ``v`` with a probability that keeps ``1/sqrt(v)`` near its true value). Zero is stored
     exactly and a nonzero ``v`` is never stored as zero. ``v``'s scale follows its block's maximum from above and
     decays by exactly ``beta2`` while the maximum stays under it, so a ``v`` that only decays keeps its code: the
-    update keeps AdamW's size, also for elements far below their block's maximum (2**4 to 2**20 below it: 0.9-1.1x
-    AdamW's in ``scripts/skew_walk.py``; at 2**24 0.86-1.2x). Checkpoints of format versions 1 and 2 are converted on
-    load. Li et al. (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit moments reaching AdamW's
-    quality with blocks of 128 and a ``v`` code without a zero point; the codes and their encoding are this project's
-    (see :mod:`apexw_hf.reference`). About half the state of :class:`~apexw_hf.ApexW8bit`, and the coarsest format
-    here, so check the loss of your task against ``"8bit"`` before relying on it.
+    update keeps AdamW's size, also for elements far below their block's maximum (2**4 to 2**24 below it: 0.95-1.02x
+    AdamW's in ``scripts/skew_walk.py``, 1.03-1.12x from 2**20 on after a burst into a decaying block). Checkpoints
+    of format versions 1 and 2 are converted on load. Li et al. (2023), "Memory Efficient Optimizers with 4-bit
+    States", showed 4-bit moments reaching AdamW's quality with blocks of 128 and a ``v`` code without a zero point;
+    the codes and their encoding are this project's (see :mod:`apexw_hf.reference`). About half the state of
+    :class:`~apexw_hf.ApexW8bit`, and the coarsest format here, so check the loss of your task against ``"8bit"``
+    before relying on it.
 
     Example:
         >>> import torch

@@ -8,9 +8,9 @@ in docs/skewed_blocks.md. 8-bit format version 2 failed it (its e4m4 ``v`` reach
 bf16 scale re-rounded every code when the maximum moved: 0.10-1.30 across the table); version 3 measures 1.00-1.03.
 
 4-bit format version 2 failed it too (one ``v`` code per binade to 2**-14: 0.49 at 2**16, 0.025 at 2**24, and 1.2-1.4
-after a burst); version 3 measures 0.87-1.12 here. Its bounds are wider than 8-bit's, 0.85-1.15: the issue's 0.9-1.1
-holds to 2**20 in the full tables, but at 2**24 the small elements step 0.86-0.93x as far with no burst and 1.17-1.20x
-after a burst into a decaying block (the noise of an ``m`` 2**-10 below its block's, coded as 0 or 2**-6).
+after a burst); version 3 measures 0.87-1.12 here. Its bounds are wider than 8-bit's, 0.85-1.15: one block per ratio
+scatters by several percent, and with 48 blocks per ratio the format itself measures 0.95-1.02 except after a burst
+into a decaying block, 1.03-1.12 from 2**20 on (the noise of an ``m`` 2**-10 below its block's, coded as 0 or 2**-6).
 """
 
 import pytest
