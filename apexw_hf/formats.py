@@ -12,9 +12,9 @@ compact    exp_avg, exp_avg_sq: bf16    4
            exp_avg_sq: uint8 codes,     :data:`~apexw_hf.reference.BLOCK` elements (2.023)
            exp_avg_scale: bf16,
            exp_avg_sq_scale: fp32
-4bit       exp_avg_mv: uint8, both      1, plus 2 + 4 bytes of scales per block of
-           moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements (1.047)
-           exp_avg_scale: bf16,
+4bit       exp_avg_mv: uint8, both      1, plus 4 + 4 bytes of scales per block of
+           moments' codes per byte,     :data:`~apexw_hf.reference.BLOCK4` elements (1.0625)
+           exp_avg_scale: fp32,
            exp_avg_sq_scale: fp32
 =========  ===========================  ==============================================================
 
@@ -27,12 +27,13 @@ fp32 ``exp_avg_sq_scale`` (the envelope scale of e5m3 ``v`` codes) is version 3,
 of versions 1 and 2 are converted on load (decoded, then re-encoded with the random stream of their step, so
 deterministically).
 
-The 4-bit codes are of format version 2 as well, and the dtype of ``exp_avg_sq_scale`` says which version an entry
-holds: fp32 (the exact block absmax of ``v``) is version 2, bf16 (the absmax rounded up) is version 1
-(``reference.quantize_mv4_v1``, ``"4bit_v1"``), converted on load the same way. A scale of any other dtype or
-shape is refused with a ``ValueError`` before anything changes.
+The 4-bit codes are of format version 3 (``reference.quantize_mv4``), and the scales' dtypes say which version an
+entry holds: both fp32 (the exact block absmax of ``m``, the envelope scale of ``v``) is version 3, a bf16
+``exp_avg_scale`` with an fp32 ``exp_avg_sq_scale`` version 2 (``reference.quantize_mv4_v2``, ``"4bit_v2"``), both
+bf16 version 1 (``reference.quantize_mv4_v1``, ``"4bit_v1"``); versions 1 and 2 are converted on load the same way.
+A scale of any other dtype or shape is refused with a ``ValueError`` before anything changes.
 
-Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 4bit_v1 and
+Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 8bit_v2, 4bit_v1, 4bit_v2 and
 ``torch.optim.AdamW``'s float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by
 ``reference.store_moments``.
 """
@@ -47,7 +48,7 @@ from . import reference as ref
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
 EIGHT_BIT = ("8bit", "8bit_v2", "8bit_v1")  # the 8-bit layouts: version 3, and versions 2 and 1 (read only)
-FOUR_BIT = ("4bit", "4bit_v1")  # the 4-bit layouts: format version 2 and version 1 (read only)
+FOUR_BIT = ("4bit", "4bit_v2", "4bit_v1")  # the 4-bit layouts: format version 3, and versions 2 and 1 (read only)
 QUANTIZED = (*EIGHT_BIT, *FOUR_BIT)  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 STATE_KEYS = (*MOMENT_KEYS, MV4_KEY, *SCALE_KEYS)  # every tensor key of some layout, besides "step"
@@ -58,6 +59,7 @@ MOMENT_DTYPES = {
     "8bit_v2": (torch.uint8, torch.uint8),
     "8bit_v1": (torch.int8, torch.uint8),
     "4bit": (torch.uint8,),
+    "4bit_v2": (torch.uint8,),
     "4bit_v1": (torch.uint8,),
 }
 SCALE_BLOCKS = {  # elements per scale
@@ -65,13 +67,15 @@ SCALE_BLOCKS = {  # elements per scale
     "8bit_v2": ref.BLOCK,
     "8bit_v1": ref.BLOCK,
     "4bit": ref.BLOCK4,
+    "4bit_v2": ref.BLOCK4,
     "4bit_v1": ref.BLOCK4,
 }
 SCALE_DTYPES = {  # dtypes of (exp_avg_scale, exp_avg_sq_scale)
     "8bit": (torch.bfloat16, torch.float32),
     "8bit_v2": (torch.bfloat16, torch.bfloat16),
     "8bit_v1": (torch.bfloat16, torch.bfloat16),
-    "4bit": (torch.bfloat16, torch.float32),
+    "4bit": (torch.float32, torch.float32),
+    "4bit_v2": (torch.bfloat16, torch.float32),
     "4bit_v1": (torch.bfloat16, torch.bfloat16),
 }
 
@@ -115,7 +119,7 @@ def init_state(
     elif fmt == "4bit":
         nb = ref.num_blocks(p.numel(), SCALE_BLOCKS[fmt])
         state[MV4_KEY] = zeros(p.shape, torch.uint8)
-        state["exp_avg_scale"] = zeros(nb, torch.bfloat16)
+        state["exp_avg_scale"] = zeros(nb, SCALE_DTYPES[fmt][0])
         state["exp_avg_sq_scale"] = zeros(nb, SCALE_DTYPES[fmt][1])
     else:
         raise ValueError(f"unknown state_format {fmt!r}; allowed: {', '.join(ref.STATE_FORMATS)}")
@@ -125,12 +129,15 @@ def init_state(
 def state_format_of(state: dict) -> str | None:
     """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
     version 1 (int8 ``exp_avg``; always converted), ``"8bit_v2"`` for those of version 2 (uint8 codes with a bf16
-    ``exp_avg_sq_scale``; always converted), ``"4bit_v1"`` for 4-bit codes of format version 1 (a bf16
-    ``exp_avg_sq_scale``; always converted), ``"float"`` for moments of another float dtype
+    ``exp_avg_sq_scale``; always converted), ``"4bit_v2"`` and ``"4bit_v1"`` for 4-bit codes of format version 2 (a
+    bf16 ``exp_avg_scale``, an fp32 ``exp_avg_sq_scale``) and version 1 (both scales bf16; both always converted),
+    ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
     if MV4_KEY in state:
-        return "4bit_v1" if getattr(state.get("exp_avg_sq_scale"), "dtype", None) == torch.bfloat16 else "4bit"
+        if getattr(state.get("exp_avg_sq_scale"), "dtype", None) == torch.bfloat16:
+            return "4bit_v1"
+        return "4bit_v2" if getattr(state.get("exp_avg_scale"), "dtype", None) == torch.bfloat16 else "4bit"
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:

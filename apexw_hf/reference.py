@@ -40,30 +40,37 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   within 2% of AdamW's from 2**4 to 2**24 below it (``docs/skewed_blocks.md``). Format version 2 (e4m4 ``v``, bf16
   ``v`` scale, :func:`dequantize_v_v2`) and version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``) are read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
-* ``4bit`` (format version 2): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
-  codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``), a bf16 ``m`` scale and an fp32 ``v`` scale per block, about
-  1.05 bytes per parameter. ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is
-  ``2**(c - 7)``, so 2**-6 .. 1, and code 0 is zero) with the ``8bit`` scale (absmax rounded up to bf16); ``v`` is
-  e4m0 (code ``c >= 1`` is ``2**(c - 15)``, 2**-14 .. 1, code 0 only for zero) of the block's exact fp32 absmax:
-  the minifloats of ``8bit`` without mantissa bits (``m`` with exponent bias 7), encoded by the same integer work, so
-  zero stays zero and a nonzero ``v`` never decodes to zero; ``m`` rounds unbiased, ``v`` unbiased in ``log2(v)``
-  (:func:`v4_log_warp`: the update divides by ``sqrt(v)``, and rounding unbiased in ``v`` made it 11% too large).
-  The exact ``v`` scale is what version 2 adds first: a block whose ``v`` decays keeps its codes while its scale
-  decays by ``beta2`` in fp32, where version 1 (a bf16 scale rounded up, :func:`quantize_mv4_v1`) moved the codes a
-  whole binade at random, a random walk of ``log2(v)`` that inflated ``E[1/sqrt(v)]`` (2.7x after 3,000 steps at
-  ``beta2 = 0.999``). ``v`` rounds with 16 random bits
-  (:func:`v4_rand_offset`), so an element whose block maximum is held by another one still decays at any
-  ``beta2 <= 1 - 2**-17`` (such an element's ``log2(v)`` still walks: a limit of one code per binade).
-  The one byte per element keeps the state shaped like the parameter (so ``DTensor`` shards it like the parameter)
-  and lets a kernel read and write both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers
-  with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
+* ``4bit`` (format version 3): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
+  codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``) and two fp32 scales per block, 1.0625 bytes per parameter.
+  ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is ``2**(c - 7)``, so 2**-6 .. 1,
+  and code 0 is zero) of the block's exact fp32 absmax, encoded by the minifloat integer work of ``8bit`` and rounded
+  unbiased with 8 random bits. ``v``'s code ``c >= 1`` is ``2**(2 (c - 15))``, two binades a code, 2**-28 .. 1, and
+  code 0 only zero (a nonzero ``v`` never gets it), of an fp32 envelope scale (:func:`v4_scale`: :func:`v8_scale` with
+  4x headroom, so that a restart puts the maximum on a code); it rounds up with probability ``A u + (1 - A) u**2`` of
+  its position ``u`` in the code's interval (:func:`v4_code`, integer work, 16 random bits, ``A`` = 1.85), which keeps
+  ``E[1/sqrt(v)]``, what the update divides by, near ``1/sqrt(v)`` with codes this coarse. Why version 3 (issue 45):
+  version 2's ``v`` (e4m0, one code per binade down to 2**-14 of the block's exact absmax, rounded unbiased in
+  ``log2(v)`` by :func:`v4_log_warp`, with a bf16 ``m`` scale) read an element further below its block's maximum as
+  2**-14 of it (0.49x AdamW's update at 2**16, 0.025x at 2**24), and after a burst of large gradients its codes,
+  re-rounded whenever the maximum moved, walked (1.2-1.4x); version 3 reaches 2**-28 of the envelope and keeps the
+  update size at 0.95-1.02 of AdamW's up to 2**24 below the maximum, except after a burst into a decaying block
+  (1.03-1.12 from 2**20 on; ``docs/skewed_blocks.md``). The
+  fp32 ``m`` scale is also what tells a version-3 entry from a version-2 one (:mod:`apexw_hf.formats`); versions 2
+  (:func:`quantize_mv4_v2`, :func:`dequantize_mv4_v2`) and 1 (a bf16 ``v`` scale, :func:`quantize_mv4_v1`) are read
+  to convert their checkpoints. The one byte per element keeps the state shaped like the parameter (so ``DTensor``
+  shards it like the parameter) and lets a kernel read and write both moments with one byte access. Li et al.
+  (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128
+  and a ``v`` code without a zero point.
 
 Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
-``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` and ``4bit`` round ``m`` with
-bits 0-5 (6 bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``v`` with bits 6-21 (16 bits: with
-``beta2 = 0.9999`` each step moves a decaying ``v`` by a small fraction of a code; the top six are shared with a bf16
+``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` rounds ``m`` with bits 0-5 (6
+bits: with ``beta1 = 0.9`` it moves by about a code per step) and ``v`` with bits 6-21 (16 bits: with ``beta2 =
+0.9999`` each step moves a decaying ``v`` by a small fraction of a code; the top six are shared with a bf16
 parameter's least significant ones; two contiguous fields cost the kernel fewer operations and registers than split
-ones), and the top 16 bits round a bf16 parameter, so their kernels hash one word per element instead of two.
+ones). ``4bit`` rounds ``m`` with bits 0-7 (an ``m`` far below its block's maximum rounds to 0 or the least code with
+a small probability, which 6 bits resolved too coarsely) and ``v`` with bits 8-23 (16 bits; 14, bits 8-21, measured
+worse at 2**24 below the block maximum; the top eight are a bf16 parameter's least significant). The top 16 bits round
+a bf16 parameter, so these kernels hash one word per element instead of two.
 
 Non-finite gradients. A *block* of 256 consecutive elements of the flattened tensor (:data:`BLOCK`, the ``8bit``
 scale block, two ``4bit`` ones, one row of the kernel's tile) whose gradient holds a NaN or an infinity (after
@@ -120,10 +127,15 @@ __all__ = [
     "dequantize_v_v1",
     "BLOCK4",
     "quantize_mv4",
+    "quantize_mv4_v2",
     "quantize_mv4_v1",
+    "v4_scale",
+    "v4_code",
+    "v4_value",
     "v4_rand_offset",
     "v4_log_warp",
     "dequantize_mv4",
+    "dequantize_mv4_v2",
     "param_stream",
     "load_moments",
     "store_moments",
@@ -347,7 +359,15 @@ V8_HEADROOM = 2.0  # a v scale that restarts is this times the block's absmax
 # 8-bit v of format version 2 (read only): e4m4, bias 15, 1.0 = code 240, bf16 scale
 V2_MANT, V2_CODE_MAX = 4, 240
 V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
-M4_RAND_SHIFT = 0  # 4-bit m: bits 0-5 of the word (M_RAND_BITS of them)
+M4_RAND_SHIFT = 0  # 4-bit m (version 2): bits 0-5 of the word (M_RAND_BITS of them)
+# 4-bit format version 3: m rounds with bits 0-7 of the word, v with bits 8-23; v codes c >= 1 are 2**(2 (c - 15)) of
+# the block's fp32 envelope scale (two binades a code, down to 2**-28), which restarts at 4x the block maximum
+M4V3_RAND_BITS = 8
+V4V3_RAND_SHIFT, V4V3_RAND_BITS = 8, 16
+V4_HEADROOM = 4.0
+V4_EXP_MIN = 127 - 28  # the fp32 exponent field of the least v code's value, 2**-28
+V4_ROUND_A = 237  # the rounding probability's slope at the bottom of a code's interval, in 128ths (A = 1.8515625)
+V4_Q = 3 << 23  # a code's interval [2**(2k), 2**(2k + 2)) in units of 2**(2k - 23)
 # 4-bit v (version 2): f * (A + f * (B + C * f)) ~ log2(1 + f), exact dyadic coefficients with A + B + C = 1, see
 # v4_log_warp; 1 + f * (A + ...) as the cubic in x = 1 + f that v4_log_warp evaluates (X3..X0, exact in fp64)
 V4_LOG_A, V4_LOG_B, V4_LOG_C = 1477 / 1024, -621 / 1024, 168 / 1024
@@ -432,9 +452,14 @@ def v8_scale(v_blocks: torch.Tensor, prev_scale: torch.Tensor, beta2: float) -> 
     makes restarts rare: the absmax has to double against the envelope's decay. A scale of 0 (fresh state, and the
     re-encoding of a conversion, which passes ``beta2 = 0``) restarts at once.
     """
+    return _envelope_scale(v_blocks, prev_scale, beta2, V8_HEADROOM)
+
+
+def _envelope_scale(v_blocks, prev_scale, beta2: float, headroom: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`v8_scale` and :func:`v4_scale` with their ``headroom``."""
     amax = v_blocks.amax(dim=1)
     env = prev_scale.float() * torch.tensor(beta2, dtype=torch.float32)
-    s = torch.where(amax <= env, env, amax * V8_HEADROOM)
+    s = torch.where(amax <= env, env, amax * headroom)
     s = torch.where(torch.isnan(amax), torch.full_like(s, float("nan")), s)
     inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
     return s, inv
@@ -539,10 +564,10 @@ def _quantize_m4(m: torch.Tensor, rb: torch.Tensor):
     return cm | torch.where(mb < 0, M4_SIGN, 0), sm
 
 
-def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
+def quantize_mv4_v2(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
     e4m0 code of ``v``; bf16 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``.
-    4-bit format version 2.
+    4-bit format version 2 (kept to test that version 3, :func:`quantize_mv4`, fixes its skewed blocks).
 
     The ``v`` scale is the block's exact absmax in fp32, so the element holding it gets code 15 (the scale itself)
     and a block whose ``v`` only decays keeps all its codes while the scale decays by exactly ``beta2``: no rounding
@@ -568,8 +593,8 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
 
 
 def quantize_mv4_v1(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
-    """4-bit format version 1 (kept to convert its checkpoints and to test that version 2 fixes it): as
-    :func:`quantize_mv4`, but the ``v`` scale is bf16, the absmax rounded up, and bits 0-9 alone round ``v``."""
+    """4-bit format version 1 (kept to test that version 2 fixes it): as
+    :func:`quantize_mv4_v2`, but the ``v`` scale is bf16, the absmax rounded up, and bits 0-9 alone round ``v``."""
     n = m.numel()
     rb = _blocks(bits, BLOCK4)
     cm, sm = _quantize_m4(m, rb)
@@ -594,14 +619,101 @@ def v4_decay_per_step(beta2: float) -> float:
     return 1.0 - (codes < V4_CODE_MAX).double().mean().item() / 2
 
 
-def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
-    """fp32 (m, v) of 4-bit codes ``mv`` (uint8, both moments per byte) and their block scales (bf16 for ``m``; fp32
-    for ``v`` in format version 2, bf16 in version 1: the same decoding)."""
+def dequantize_mv4_v2(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
+    """fp32 (m, v) of 4-bit codes ``mv`` of format version 2 or 1 (uint8, both moments per byte) and their block
+    scales (bf16 for ``m``; fp32 for ``v`` in version 2, bf16 in version 1: the same decoding), read only to convert
+    checkpoints."""
     c = _blocks(mv.to(torch.int64), BLOCK4)
     cm = c & 15
     a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
     m = torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]
     v = minifloat_value(c >> 4, 0, BIAS) * v_scale.float()[:, None]
+    n = mv.numel()
+    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+
+
+def v4_scale(v_blocks: torch.Tensor, prev_scale: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit ``v`` scale of format version 3 (fp32, per block of :data:`BLOCK4`) and its fp32 reciprocal: the
+    envelope of :func:`v8_scale` with :data:`V4_HEADROOM` (4) instead of 2, so that a restart puts the block maximum
+    on a code (2**-2 of the scale; a factor 2 would put it between two)."""
+    return _envelope_scale(v_blocks, prev_scale, beta2, V4_HEADROOM)
+
+
+def v4_code(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """The 4-bit ``v`` code (int64) of format version 3 of each fp32 ``y`` in [0, 1] (no NaN), rounded with the
+    moments' random word ``bits`` (its bits 8-23, 16 bits).
+
+    Codes ``c >= 1`` stand for ``2**(2 (c - 15))``: 1, 2**-2, ..., 2**-28; code 0 for zero only, and a ``y`` in
+    (0, 2**-28) gets code 1 (a nonzero ``v`` decoding to 0 would turn the update into ``m / eps``). A ``y`` in
+    ``[2**(2 (c - 15)), 2**(2 (c - 14)))`` gets ``c`` or ``c + 1``, the upper one with probability ``P(u) = A u + (1 -
+    A) u**2``, ``u = (y / 2**(2 (c - 15)) - 1) / 3`` its position in the interval and ``A`` = :data:`V4_ROUND_A` / 128
+    (1.85): ``P`` is concave, ``P(0) = 0``, ``P(1) = 1``, slope ``A`` at the bottom and ``2 - A`` at the top.
+
+    Why not ``P(u) = u`` (unbiased in ``v``): with two binades a code ``E[1/sqrt(v)]`` of the rounded ``v``, what the
+    update divides by, is far from ``1/sqrt(v)`` (Jensen), and a ``v`` that decays leaves a code at the rate the slope
+    at the top of the interval below it sets. The slope at the top sets that rate, the ratio of the slopes where a
+    stationary ``v`` sits between two codes; ``A = 1.85`` was the best of 1.46, 1.7, 1.85 and 2.0 simulated
+    (``scripts/skew_candidates.py``, ``docs/skewed_blocks.md``).
+
+    Integer work on the fp32 bits, exact in every engine: with ``e`` the exponent field of ``y`` and ``f`` its 23
+    mantissa bits, ``d = e - (127 - 28)``, the lower code is ``d // 2 + 1`` and the position ``u = q / Q`` with ``q =
+    f`` (``d`` even) or ``2**23 + 2 f`` (``d`` odd) and ``Q = 3 * 2**23``. With ``r`` the 16 random bits, the code
+    rounds up iff ``(r + 1/2) / 2**16 < P(u)``, that is iff ``(2 r + 1) * 9 * 2**36 < q * (a Q - (a - 128) q)``, ``a``
+    = 237: both sides below 2**59, so int64 products, no rounding anywhere.
+    """
+    b = y.view(torch.int32).to(torch.int64)
+    d = (b >> 23) - V4_EXP_MIN
+    odd = d & 1
+    q = (odd << 23) + ((b & 0x7FFFFF) << odd)
+    r = (bits >> V4V3_RAND_SHIFT) & ((1 << V4V3_RAND_BITS) - 1)
+    up = ((2 * r + 1) * (9 << (52 - V4V3_RAND_BITS))) < q * (V4_ROUND_A * V4_Q - (V4_ROUND_A - 128) * q)
+    c = (d >> 1) + 1 + up.to(torch.int64)
+    least = (y > 0).to(torch.int64)
+    return torch.where(y >= 2.0**-28, c, least)
+
+
+def v4_value(code: torch.Tensor) -> torch.Tensor:
+    """fp32 value of 4-bit ``v`` codes of format version 3: ``2**(2 (c - 15))``, and 0 for code 0."""
+    c = code.to(torch.int64)
+    val = ((2 * c + (V4_EXP_MIN - 2)) << 23).to(torch.int32).view(torch.float32)
+    return torch.where(c > 0, val, torch.zeros_like(val))
+
+
+def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
+    """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
+    ``v`` code; fp32 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``. 4-bit format
+    version 3.
+
+    ``m``: sign + e3m0 (``2**(c - 7)``, code 0 zero) of the block's exact fp32 absmax, rounded with 8 random bits (the
+    word's bits 0-7: 6 bits round an ``m`` far below its block's maximum to 0 or 2**-6 with a probability that is only
+    a multiple of 2**-6, and skewed blocks measured worse). ``v``: :func:`v4_code` over :func:`v4_scale` (the
+    envelope of the block maximum; ``prev_v_scale`` the scales stored before this step, ``beta2`` the step's fp32
+    ``beta2``, 0 for a conversion, which restarts every block).
+    """
+    n = m.numel()
+    rb = _blocks(bits, BLOCK4)
+    mb = _blocks(m, BLOCK4)
+    a = mb.abs()
+    sm, inv = _scale_exact(a)
+    y = _normalized(a, inv)
+    cm = minifloat_code(y, _rand_offset(rb, M4_RAND_SHIFT, M4V3_RAND_BITS, 23), 0, M4_BIAS)
+    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
+    vb = _blocks(v, BLOCK4)
+    sv, inv = v4_scale(vb, prev_v_scale, beta2)
+    cv = v4_code(_normalized(vb, inv), rb)
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)  # also where v * (1 / scale) underflows to 0
+    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
+    return mv, sm, sv
+
+
+def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
+    """fp32 (m, v) of 4-bit codes ``mv`` of format version 3 (uint8, both moments per byte) and their fp32 block
+    scales."""
+    c = _blocks(mv.to(torch.int64), BLOCK4)
+    cm = c & 15
+    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
+    m = torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]
+    v = v4_value(c >> 4) * v_scale.float()[:, None]
     n = mv.numel()
     return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
 
@@ -650,8 +762,9 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
         dq = dequantize_v if fmt == "8bit" else dequantize_v_v2
         v = dq(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
-    if fmt in ("4bit", "4bit_v1"):
-        m, v = dequantize_mv4(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
+    if fmt in ("4bit", "4bit_v2", "4bit_v1"):
+        dq = dequantize_mv4 if fmt == "4bit" else dequantize_mv4_v2
+        m, v = dq(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
     if fmt == "8bit_v1":
         m = dequantize_m_v1(state["exp_avg"], state["exp_avg_scale"])
@@ -676,14 +789,17 @@ def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> 
         state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits))
         state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, (bits & 0xFFFF) << 16))
         return
-    if fmt in ("4bit", "4bit_v1"):
-        mv, sm, sv = (quantize_mv4 if fmt == "4bit" else quantize_mv4_v1)(m, v, bits)
+    if fmt in ("4bit", "4bit_v2", "4bit_v1"):
+        if fmt == "4bit":
+            mv, sm, sv = quantize_mv4(m, v, bits, state["exp_avg_sq_scale"], beta2)
+        else:
+            mv, sm, sv = (quantize_mv4_v2 if fmt == "4bit_v2" else quantize_mv4_v1)(m, v, bits)
         state["exp_avg_mv"].copy_(mv)
         state["exp_avg_scale"].copy_(sm)
         state["exp_avg_sq_scale"].copy_(sv)
         return
     if fmt != "8bit":
-        raise ValueError(f"cannot encode state format {fmt!r}; allowed: {', '.join(STATE_FORMATS)}, 4bit_v1")
+        raise ValueError(f"cannot encode state format {fmt!r}; allowed: {', '.join(STATE_FORMATS)}, 4bit_v2, 4bit_v1")
     cm, sm = quantize_m(m, bits)
     cv, sv = quantize_v(v, bits, state["exp_avg_sq_scale"], beta2)
     state["exp_avg"].copy_(cm)
@@ -695,7 +811,7 @@ def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> 
 def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
     """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` or ``4bit`` state
     (its top 16 bits, which their codes leave unused), else a stream of its own."""
-    return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
+    return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v2", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
 
 
 def nonfinite_blocks(grad: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,12 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
   times the scale;
 * the update in the reference's operation order (``maximize`` negates ``1 - beta1``: ``(-g) * c == g * (-c)``);
 * the block maxima of ``|m|`` and ``v`` as integer maxima of their fp32 bits (a NaN has the largest bits, so it
-  propagates as ``torch.amax``'s does), rounded up to bf16 for ``m``; ``v``'s scale in fp32 (8-bit: the envelope of
-  ``reference.v8_scale``; 4-bit: the exact absmax), a NaN canonical;
-* the random word ``mix32(index * GOLDEN + key)``, its bits 0-5 rounding ``m``, 6-21 ``v`` and 16-31 a bf16
-  parameter (``reference.param_stream``);
-* the codes of ``reference.minifloat_code``, a nonzero ``v`` never getting code 0.
+  propagates as ``torch.amax``'s does); ``m``'s scale rounded up to bf16 (8-bit) or the exact fp32 absmax (4-bit),
+  ``v``'s in fp32, the envelope of ``reference.v8_scale`` (8-bit) or ``reference.v4_scale`` (4-bit), a NaN canonical;
+* the random word ``mix32(index * GOLDEN + key)``, its bits 0-5 (8-bit) or 0-7 (4-bit) rounding ``m``, 6-21 or 8-23
+  ``v``, and 16-31 a bf16 parameter (``reference.param_stream``);
+* the codes of ``reference.minifloat_code`` (4-bit ``v``: ``reference.v4_code``'s integer threshold), a nonzero ``v``
+  never getting code 0.
 
 A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
 256-element block, ``reference.nonfinite_blocks``) is flagged in ``skip`` and not written; the host counts the flags.
@@ -113,17 +114,20 @@ M_SUBMAX, V_SUBMAX = u32(8), u32(8)
 MIN_NORMAL_V8 = f32(2.0 ** (1 - ref.V8_BIAS))
 F_HEADROOM = f32(ref.V8_HEADROOM)
 SIGN7, MAG7 = u32(128), u32(127)
-# 4-bit: no mantissa bits; a code c >= 1 has the fp32 exponent field c + M4_OFF (m, bias 7) or c + V4_OFF (v, bias 15)
-S4, S17, S23 = u32(4), u32(17), u32(23)
+# 4-bit: no mantissa bits; an m code c >= 1 has the fp32 exponent field c + M4_OFF (bias 7)
+S4, S23 = u32(4), u32(23)
 LOW4, MAG3, SIGN3 = u32(15), u32(7), u32(8)
-M4_OFF, V4_OFF = u32(127 - ref.M4_BIAS), u32(127 - ref.BIAS)
-# 4-bit (format version 2): m's random bits are the word's bits 0-5 (to 17-22, half a unit at 16), v's 16 are its bits
-# 6-21 (to 7-22: the masked word shifted left by one, half a unit at 6)
-M4_HALF, V4_HALF = u32(1 << 16), u32(1 << 6)
-V4_RMASK, S1 = u32(((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT), u32(1)
+M4_OFF = u32(127 - ref.M4_BIAS)
+# 4-bit (format version 3): m's random bits are the word's bits 0-7 (to 15-22, half a unit at 14); v's 16 are its bits
+# 8-23, compared as an integer with the threshold of reference.v4_code
+M4_RMASK, S15, M4_HALF = u32((1 << ref.M4V3_RAND_BITS) - 1), u32(15), u32(1 << 14)
+V4_RSHIFT, V4_RMASK = u32(ref.V4V3_RAND_SHIFT), u32((1 << ref.V4V3_RAND_BITS) - 1)
+V4_LEAST_BITS, V4_EXP_MIN, V4_VAL_OFF = u32(ref.V4_EXP_MIN << 23), u32(ref.V4_EXP_MIN), u32(ref.V4_EXP_MIN - 2)
+V4_AQ, V4_A1 = np.int64(ref.V4_ROUND_A * ref.V4_Q), np.int64(ref.V4_ROUND_A - 128)
+V4_UNIT = np.int64(9 << (52 - ref.V4V3_RAND_BITS))
+F_HEADROOM4 = f32(ref.V4_HEADROOM)
 F32_NAN_BITS = u32(0x7FC00000)
-V4_LOG_X = tuple(map(np.float64, ref.V4_LOG_X))
-EXP_MASK, MANT_MASK, ONE_F32_BITS = u32(0x7F800000), u32(0x7FFFFF), u32(0x3F800000)
+MANT_MASK = u32(0x7FFFFF)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
 
 
@@ -164,19 +168,17 @@ def inverse_f32(scale_bits):
 
 
 @njit(inline="always")
-def log_warp(y):
-    """``reference.v4_log_warp`` of one fp32 ``y >= 0``."""
+def v4_code(y, w):
+    """``reference.v4_code`` of one fp32 ``y`` in [0, 1] with the random word ``w``: 0 below 2**-28."""
     b = f32_bits(y)
-    x = bits_f32((b & MANT_MASK) | ONE_F32_BITS)
-    x3, x2, x1, x0 = V4_LOG_X
-    w = fma32(x, fma32(x, fma32(x, x3, x2), x1), x0)
-    return bits_f32(u32((b & EXP_MASK) + u32(f32_bits(w) - ONE_F32_BITS)))
-
-
-@njit(inline="always")
-def fma32(a, b, c):
-    """``reference._fma32``: fp32 ``a * b + c`` rounded once, through fp64 (exact there for the warp's operands)."""
-    return f32(np.float64(a) * np.float64(b) + c)
+    if b < V4_LEAST_BITS:
+        return u32(0)
+    d = u32((b >> S23) - V4_EXP_MIN)
+    odd = d & ONE_BITS
+    q = np.int64(u32((odd << S23) + ((b & MANT_MASK) << odd)))
+    r = np.int64((w >> V4_RSHIFT) & V4_RMASK)
+    up = u32(1) if (2 * r + 1) * V4_UNIT < q * (V4_AQ - V4_A1 * q) else u32(0)
+    return u32((d >> ONE_BITS) + ONE_BITS + up)
 
 
 @njit(inline="always")
@@ -355,10 +357,10 @@ def step_8bit(
 def step_4bit(
     p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks, skip, blk_pair
 ):
-    """One chunk with 4-bit state, format version 2 (``codes``: both moments per byte, ``reference.quantize_mv4``;
-    ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block of 128 elements
-    is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's 256-element block,
-    -1 where the tensor ends first) has a non-finite value."""
+    """One chunk with 4-bit state, format version 3 (``codes``: both moments per byte, ``reference.quantize_mv4``;
+    ``m_scale``, ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block
+    of 128 elements is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's
+    256-element block, -1 where the tensor ends first) has a non-finite value."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
     nb = blk_seg.shape[0]
@@ -379,10 +381,10 @@ def step_4bit(
             skip[b] = 1 if bad else 0
             if bad:
                 continue
-            sm = bits_f32(u32(m_scale[b]) << S16)
+            sm = bits_f32(m_scale[b])
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK4):
-                # decode: code c >= 1 is 2**(c - bias), code 0 is zero (m: sign in bit 3)
+                # decode: m code c >= 1 is 2**(c - 7) (sign in bit 3), v code c >= 1 is 2**(2 c - 30); code 0 is zero
                 byte = u32(codes[base + j])
                 cm = byte & LOW4
                 mag = cm & MAG3
@@ -390,7 +392,7 @@ def step_4bit(
                 a = a if mag >= ONE_BITS else F_ZERO
                 m = (-a if cm >= SIGN3 else a) * sm
                 cv = byte >> S4
-                av = bits_f32(u32((cv + V4_OFF) << S23))
+                av = bits_f32(u32((cv + cv + V4_VAL_OFF) << S23))
                 v = (av if cv >= ONE_BITS else F_ZERO) * sv
                 m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
                 pbuf[j] = p
@@ -398,23 +400,24 @@ def step_4bit(
                 vbuf[j] = v
             key = seg_key[blk_seg[b]]
             amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, key, p_mode)
-            s16m = round_up_bf16(amax_m)
-            s32v = F32_NAN_BITS if amax_v > INF_BITS else amax_v  # v: the exact fp32 absmax (format version 2)
-            m_scale[b] = s16m
+            s32m = F32_NAN_BITS if amax_m > INF_BITS else amax_m  # m: the exact fp32 absmax
+            # v: reference.v4_scale, the envelope with 4x headroom
+            env = sv * beta2
+            av = bits_f32(amax_v)
+            s32v = F32_NAN_BITS if amax_v > INF_BITS else f32_bits(env if av <= env else av * F_HEADROOM4)
+            m_scale[b] = s32m
             v_scale[b] = s32v
-            inv_m = inverse(s16m)
+            inv_m = inverse_f32(s32m)
             inv_v = inverse_f32(s32v)
             for j in range(BLOCK4):
                 w = wbuf[j]
                 m = mbuf[j]
                 x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL_M4)
-                r = ((w & M_RMASK) << S17) | M4_HALF
+                r = ((w & M4_RMASK) << S15) | M4_HALF
                 cm = u32(u32(x + r) >> S23) - M4_OFF
                 cm = cm | SIGN3 if m < F_ZERO else cm
                 v = vbuf[j]
-                x = code_bits(log_warp(normalized(v, inv_v)), MIN_NORMAL)
-                r = ((w & V4_RMASK) << S1) | V4_HALF
-                cv = u32(u32(x + r) >> S23) - V4_OFF
+                cv = v4_code(normalized(v, inv_v), w)
                 cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv
                 codes[base + j] = np.uint8(cm | (cv << S4))
 
@@ -505,7 +508,9 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
             torch._foreach_copy_(*io["moments_in"])
         codes = [_np(io["mom"])] if four else [_np(io["mom_m"]), _np(io["mom_v"])]
         ms, vs = _np(io["scl_m"]), _np(io["scl_v"])
-    vs = vs.view(np.uint32)  # the fp32 v scales (8-bit version 3, 4-bit version 2) as their bits
+    vs = vs.view(np.uint32)  # the fp32 v scales (8-bit version 3, 4-bit version 3) as their bits
+    if four:
+        ms = ms.view(np.uint32)  # 4-bit version 3: fp32 m scales too
     if g.dtype == torch.float32:
         g32, g16 = _np(g), _EMPTY_U16
     elif g.dtype == torch.bfloat16:

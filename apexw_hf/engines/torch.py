@@ -32,16 +32,13 @@ for a CPU:
   :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
-* 4-bit state is decoded through fp16, whose bias and subnormals its codes share, and encoded into the one byte by
-  integer work on the fp32 bits without a select (:mod:`apexw_hf.engines.torch_passes` explains both). 8-bit state
-  (format version 3) is decoded and encoded by the reference's own functions over the chunk's whole blocks (its
-  blocks and random words are the reference's per tensor): exact, but several times slower than passes of its own
-  would be, which it does not have yet; the numba path (the CPU default) and the Triton kernels have theirs.
-* The bit-level shortcuts (stochastic rounding to bf16 on the bits, the bf16 block scale, the 4-bit encoding) do not
-  handle NaN; where a chunk's moments hold a NaN (or, for 4-bit, an infinity) the reference's own functions encode
-  that chunk, and a bf16 parameter chunk with a NaN goes through
-  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). 4-bit chunks with a block
-  scale outside [2**-126, 2**100] take a few more passes (the reference's clamp). fp16 parameters with
+* 8-bit and 4-bit state (format version 3) are decoded and encoded by the reference's own functions over the chunk's
+  whole blocks (its blocks and random words are the reference's per tensor): exact, but several times slower than
+  passes of their own would be, which they do not have yet; the numba path (the CPU default) and the Triton kernels
+  have theirs.
+* The bit-level shortcut of stochastic rounding to bf16 does not handle NaN; where a compact chunk's moments hold a
+  NaN the reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
+  ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
 * Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose gradient holds a NaN or an
   infinity keeps its parameter, moments and scales): one sum of the gathered gradient, in cache, tells whether a chunk
@@ -82,12 +79,8 @@ from ..hparams import step_hparams
 from .torch_passes import (
     Scratch,
     bf16_stochastic,
-    block_scales,
-    decode_4bit,
-    encode_4bit,
     full_bits,
     hash_into,
-    sign_and_abs,
     sqrt_into,
 )
 
@@ -224,10 +217,10 @@ class _Layout:
         scl, parts = None, None
         if blk:
             sdt = SCALE_DTYPES[fmt]
-            if sdt[0] == sdt[1]:  # 8-bit: both in one buffer, encoded and decoded by one operation
+            if sdt[0] == sdt[1]:  # 4-bit (format version 3): both fp32, in one buffer
                 scl = torch.zeros(2 * nb, dtype=sdt[0], device=dev)
                 parts = (scl[:nb], scl[nb:])
-            else:  # 4-bit (format version 2): bf16 m scales, fp32 v scales
+            else:  # 8-bit (format version 3): bf16 m scales, fp32 v scales
                 parts = tuple(torch.zeros(nb, dtype=d, device=dev) for d in sdt)
         moved = set()
         for j, (slot, _, k, o, whole) in enumerate(ch.segs):
@@ -637,8 +630,10 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
         b.m.copy_(ref.dequantize_m(o.m_state, o.m_scale).reshape(-1))
         b.v.copy_(ref.dequantize_v(o.v_state, o.v_scale).reshape(-1))
-    elif layout.fmt == "4bit":
-        decode_4bit(b, sc.c, o.m_state, o.m_scale, o.v_scale, o.scales2)  # m_state: both moments' codes
+    elif layout.fmt == "4bit":  # format version 3: the reference's decoding (m_state: both moments' codes)
+        m, v = ref.dequantize_mv4(o.m_state, o.m_scale, o.v_scale)
+        b.m.copy_(m.reshape(-1))
+        b.v.copy_(v.reshape(-1))
     moments_nan = _update(layout, ch, b, o, k, maximize)
     _round_and_encode(layout, ch, sc.c, b, o, k, keys_mv, keys_p, stochastic_p, moments_nan)
     return _restore_blocks(kept) if kept else ()
@@ -754,15 +749,10 @@ def _round_and_encode(layout: _Layout, ch: _Chunk, c, b, o: _Operands, k, keys_m
         qv, qvs = ref.quantize_v(V, bits, v_scale, float(k[2]))  # k[2]: beta2
         for dst, x in ((m_state, qm), (m_scale, qms), (v_state, qv), (v_scale, qvs)):
             dst.copy_(x.view(dst.shape))
-    elif fmt == "4bit":
-        sign_and_abs(b, c)
-        path = block_scales(b, c, m_scale, v_scale)
-        if path == "ref":  # a NaN or an infinity: the reference encodes (the sign of a zero m does not matter there)
-            m = torch.where(b.a > 0, -M, M)
-            for dst, x in zip((m_state, m_scale, v_scale), ref.quantize_mv4(m, V, full_bits(b))):
-                dst.copy_(x)
-        else:
-            encode_4bit(b, c, m_state, path == "exact")
+    elif fmt == "4bit":  # format version 3: the reference's encoding over the chunk's whole blocks
+        qmv, qms, qvs = ref.quantize_mv4(M, V, full_bits(b), v_scale, float(k[2]))  # k[2]: beta2
+        for dst, x in ((m_state, qmv), (m_scale, qms), (v_scale, qvs)):
+            dst.copy_(x.view(dst.shape))
     if not ch.direct and io["moments_out"][0]:
         torch._foreach_copy_(*io["moments_out"])
 

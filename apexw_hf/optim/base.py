@@ -65,7 +65,7 @@ class ApexW(torch.optim.Optimizer):
         eps: added to the denominator, >= 0.
         weight_decay: decoupled weight decay, >= 0.
         state_format: ``"compact"`` (bf16 moments, 4 bytes/param), ``"8bit"`` (block-quantized, about 2.03
-            bytes/param), ``"4bit"`` (block-quantized, both moments in one byte, about 1.05 bytes/param) or
+            bytes/param), ``"4bit"`` (block-quantized, both moments in one byte, about 1.06 bytes/param) or
             ``"fp32"`` (8 bytes/param, exact).
         maximize: maximize the objective instead of minimizing it.
         amsgrad: not supported; ``True`` raises ``ValueError``.
@@ -278,7 +278,7 @@ class ApexW(torch.optim.Optimizer):
             raise ValueError(
                 f"state_offload=True needs {total / 2**30:.2f} GiB ({total} bytes) of host memory for the optimizer "
                 f"state{who}, and the host has {available / 2**30:.2f} GiB available. Use a smaller state_format "
-                "('4bit': about 1.05 bytes per parameter, '8bit' about 2.02), free host memory, shard over more "
+                "('4bit': about 1.06 bytes per parameter, '8bit' about 2.02), free host memory, shard over more "
                 "hosts, or turn state_offload off."
             )
         return needed

@@ -32,13 +32,13 @@ def _fsdp_train(rank, world, store, out, fmt):
         if k.startswith("exp_avg")
     )
     # each rank's tensors: codes or moments shaped like its shard, scales padded to the largest shard's block count;
-    # their bytes exactly (the moments' bytes per element, per padded block a bf16 m and an fp32 v scale for 8bit
-    # and 4bit, an fp32 step per tensor)
+    # their bytes exactly (the moments' bytes per element, per padded block a bf16 m and an fp32 v scale for 8bit,
+    # two fp32 scales for 4bit, an fp32 step per tensor)
     block = {"8bit": ref.BLOCK, "4bit": ref.BLOCK4}.get(fmt)
     expected_bytes = 0
     for p in model.parameters():
         blocks = dt.max_local_blocks(p, block) if block else 0
-        scale_bytes = {"8bit": 6, "4bit": 6}.get(fmt, 0) * blocks
+        scale_bytes = {"8bit": 6, "4bit": 8}.get(fmt, 0) * blocks
         expected_bytes += {"fp32": 8, "compact": 4, "8bit": 2, "4bit": 1}[fmt] * p.to_local().numel() + scale_bytes + 4
         for k, v in opt.state[p].items():
             if k.endswith("_scale"):

@@ -22,7 +22,7 @@ from apexw_hf.engines import torch_passes
 from ..distributed import workers
 from ..optim.helpers import same_bits
 from . import cpu_cases as cases
-from .cpu_cases import DTYPES, FORMATS, OPTIONS, QUANTIZED, SCALES, near_every_code, random_case, run, twins
+from .cpu_cases import DTYPES, FORMATS, OPTIONS, QUANTIZED, random_case, run, twins
 from .helpers import assert_same
 
 
@@ -159,103 +159,6 @@ def test_hash_matches_reference_per_piece(aligned, top):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_8bit_state_at_extreme_scales(small_chunks, dtype):
     cases.eight_bit_state_at_extreme_scales(dtype)
-
-
-def _encode_chunk4(m, v, key):
-    """The engine's 4-bit encoding of one chunk (``m`` and ``v``, whole blocks of 128), its path and the reference's
-    codes and scales for the same random words."""
-    n = m.numel()
-    sc = torch_passes.Scratch(torch.device("cpu"), n)
-    b = sc.upto(n, reference.BLOCK4)
-    torch_passes.hash_into(b, sc.c, [(0, 0, n, 0, True)], [key], top=True)  # 4-bit v reads bits 16-21 too
-    b.m.copy_(m)
-    b.v.copy_(v)
-    torch_passes.sign_and_abs(b, sc.c)
-    nb = n // reference.BLOCK4
-    got = [
-        torch.empty(n, dtype=torch.uint8),
-        torch.empty(nb, dtype=torch.bfloat16),
-        torch.empty(nb, dtype=torch.float32),  # format version 2: the exact v absmax
-    ]
-    path = torch_passes.block_scales(b, sc.c, got[1], got[2])
-    if path != "ref":
-        torch_passes.encode_4bit(b, sc.c, got[0], path == "exact")
-    return got, list(reference.quantize_mv4(m, v, reference.hash_uniform_bits(n, key, "cpu"))), path
-
-
-@pytest.mark.parametrize("top", SCALES)
-def test_4bit_codes_at_every_boundary(top):
-    """As for 8-bit: normalized values at, between, and one ulp around every 4-bit code's value (both moments, and
-    the 8-bit ones), signed zeros, fp32 subnormals, a zero block, with block maxima across the range of scales."""
-    gen = torch.Generator().manual_seed(1)
-    near = torch.cat([near_every_code(0, reference.M4_BIAS), near_every_code(0), near_every_code(3)])
-    y = torch.cat([near, torch.rand(2048, generator=gen) ** 8, torch.rand(256, generator=gen) * 2.0**-5])
-    y = y[torch.randperm(y.numel(), generator=gen)]
-    y = torch.cat([y, y.new_zeros(-y.numel() % 128 + 128)]).view(-1, 128)  # the last block all zero
-    y[:-1, 0] = 1.0
-    y[1, 0] = 0.77
-    x = (y * top).reshape(-1)
-    x[5:600:128] = 1e-45  # fp32 subnormals in blocks with a large maximum: y underflows
-    m = torch.where(torch.rand(x.numel(), generator=gen) < 0.5, -x, x)
-    m[3::97] = -0.0
-    v = x.flip(0)
-    amax = torch.cat([m.abs(), v]).view(-1, 128).amax(1)
-    amax = amax[amax > 0]
-    fast = bool((amax >= torch_passes.FAST_SCALE_MIN).all() and (amax <= torch_passes.FAST_SCALE_MAX).all())
-    assert fast == (2.0**-126 / 0.77 <= top <= 2.0**100)
-    for key in (12345, 2**32 - 1):
-        got, want, path = _encode_chunk4(m, v, key)
-        assert path == ("fast" if fast else "exact")
-        for g, w, name in zip(got, want, ("codes", "m scales", "v scales")):
-            assert same_bits(g, w), name
-
-
-@pytest.mark.parametrize("v_zeros", [True, False])
-def test_4bit_nonzero_v_never_gets_code_0(v_zeros):
-    """The two ways of keeping a nonzero v off code 0 (a chunk without a zero v, and one with zeros), with m codes of
-    both signs in the same bytes."""
-    gen = torch.Generator().manual_seed(2)
-    v = torch.rand(4096, generator=gen) ** 20  # most far below 2**-14 of their block maximum
-    v[::128] = 1.0
-    v[7] = 1e-45
-    if v_zeros:
-        v[100:110] = 0.0
-    m = torch.randn(4096, generator=gen)
-    got, want, path = _encode_chunk4(m, v, 99)
-    assert path == "fast"
-    assert all(same_bits(g, w) for g, w in zip(got, want))
-    cv = got[0] >> 4
-    assert (cv[v > 0] > 0).all() and (cv[v == 0] == 0).all()
-    assert ((cv == 1) & (v < 1e-10)).sum() > 100  # the rule did matter
-    assert ((got[0] & 8) > 0).sum() > 1000  # negative m codes sit beside the v codes
-
-
-def test_4bit_nan_and_inf_take_the_reference_path():
-    m = torch.randn(512)
-    v = torch.rand(512)
-    for bad in (float("nan"), float("inf")):
-        m2 = m.clone()
-        m2[300] = bad
-        assert _encode_chunk4(m2, v, 1)[2] == "ref"
-        v2 = v.clone()
-        v2[3] = bad
-        assert _encode_chunk4(m, v2, 1)[2] == "ref"
-
-
-def test_4bit_decode_every_code():
-    """Every byte (both codes) under m and v scales 0, tiny, ordinary, huge, inf and NaN, and m scales at and
-    around 2**120, where 2**8 * scale overflows (the decoder's other order)."""
-    codes = torch.arange(256, dtype=torch.uint8).repeat_interleave(2).repeat(6)  # 24 blocks of 128
-    scales = [0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126, 2.0**119, 2.0**120, 3.3e38]
-    scales = torch.tensor(scales + [1.5] * 13).to(torch.bfloat16)
-    n = codes.numel()
-    sc = torch_passes.Scratch(torch.device("cpu"), n)
-    b = sc.upto(n, reference.BLOCK4)
-    for m_scale, v_scale in ((scales, scales.flip(0)), (scales.clamp(max=2.0**119), scales)):
-        torch_passes.decode_4bit(b, sc.c, codes, m_scale, v_scale)
-        want_m, want_v = reference.dequantize_mv4(codes, m_scale, v_scale)
-        assert same_bits(b.m, want_m) and same_bits(b.v, want_v)
-    assert torch.signbit(b.m[codes == 8]).all()  # the m code of a negative zero
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -394,7 +394,7 @@ def test_engine_reads_changed_hyperparameters_every_step(change):
 
 def test_launch_reads_the_layouts_of_formats():
     """The launch table checks state tensors against ``apexw_hf.formats`` (issue 43: one home of the layouts); these
-    are the dtypes and block sizes it had written out before (8-bit at format version 3)."""
+    are the dtypes and block sizes it had written out before (8-bit and 4-bit at format version 3)."""
     from apexw_hf.engines.triton.kernels import launch
 
     assert launch.BLOCK_OF == {"8bit": 256, "4bit": 128}
@@ -407,6 +407,6 @@ def test_launch_reads_the_layouts_of_formats():
             "exp_avg_scale": torch.bfloat16,
             "exp_avg_sq_scale": torch.float32,  # 8-bit format version 3
         },
-        "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
+        "4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.float32, "exp_avg_sq_scale": torch.float32},
     }
     assert [list(d) for d in launch._STATE_DTYPES.values()] == [list(d) for d in launch.STATE_ROW.values()]

@@ -94,14 +94,14 @@ def test_accounting_matches_torch_adamw_and_apexw():
 @pytest.mark.parametrize("name", ["apexw_4bit", "apexw_8bit"])
 def test_callback_logs_the_exact_state_bytes(tmp_path, name):
     """The logged MiB and bytes per parameter are the exact bytes of the format's tensors: per trainable tensor of n
-    elements, the codes (4bit: n bytes for both moments; 8bit: 2n), two scales per block (a bf16 m scale and an fp32
-    v scale: per 256 elements for 8bit format version 3, per 128 for 4bit format version 2) and the fp32 step."""
+    elements, the codes (4bit: n bytes for both moments; 8bit: 2n), two scales per block (8bit format version 3: a bf16
+    m scale and an fp32 v scale per 256 elements; 4bit format version 3: two fp32 scales per 128) and the fp32 step."""
     trainer = make_trainer(
         tmp_path, rows=8, trainer_kwargs={"callbacks": [OptimizerStateCallback()]}, optim=name, max_steps=2
     )
     trainer.train()
     sizes = [p.numel() for p in trainer.model.parameters() if p.requires_grad]
-    codes, block, scale_bytes = {"apexw_4bit": (1, 128, 2 + 4), "apexw_8bit": (2, 256, 2 + 4)}[name]
+    codes, block, scale_bytes = {"apexw_4bit": (1, 128, 4 + 4), "apexw_8bit": (2, 256, 2 + 4)}[name]
     nbytes = sum(codes * n + scale_bytes * -(-n // block) + 4 for n in sizes)
     assert unwrap_optimizer(trainer.optimizer).state_bytes() == nbytes
     logs = [h for h in trainer.state.log_history if "loss" in h]

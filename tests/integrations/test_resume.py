@@ -12,7 +12,7 @@ from .tiny import NAMES, make_trainer
 EXPECTED_DTYPES = {
     "apexw_8bit": {"exp_avg": torch.uint8, "exp_avg_sq": torch.uint8},
     "apexw_compact": {"exp_avg": torch.bfloat16, "exp_avg_sq": torch.bfloat16},
-    "apexw_4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.bfloat16, "exp_avg_sq_scale": torch.float32},
+    "apexw_4bit": {"exp_avg_mv": torch.uint8, "exp_avg_scale": torch.float32, "exp_avg_sq_scale": torch.float32},
 }
 
 

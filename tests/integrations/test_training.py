@@ -17,7 +17,7 @@ EXPECTED = {
     "apexw_compact": (ApexWCompact, "compact"),
     "apexw_4bit": (ApexW4bit, "4bit"),
 }
-# upper bounds of state bytes per trainable element (the formats hold 4, ~2.03 and ~1.05), plus 8 per tensor
+# upper bounds of state bytes per trainable element (the formats hold 4, ~2.03 and ~1.06), plus 8 per tensor
 BYTES_PER_PARAM = {"compact": 4.5, "8bit": 2.6, "4bit": 1.3}
 
 

@@ -43,19 +43,16 @@ SIGNATURE = {
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 FORMATS = ("fp32", "compact", "8bit", "4bit")
 # Every instruction of the update and of the 8-bit and 4-bit codes must round as IEEE does on subnormals too: no
-# flush-to-zero, no approximate math, no contraction into FMA: the only fused multiply-adds are the 4-bit v warp's
-# (reference.v4_log_warp: three ``fma.rn.f32`` per element), counted by fma_problems.
+# flush-to-zero, no approximate math, no contraction into FMA (the reference has no fused multiply-add; the 4-bit v
+# code of format version 3 is integer work), checked by fma_problems.
 BAD = [r"cvt\.rn\.bf16", r"\.approx\.", r"div\.full", r"\.ftz\."]
 FMA = re.compile(r"\bfma\.[a-z0-9.]+")
-WARP_FMAS = 3  # per element of a 4-bit kernel
 
 
-def fma_problems(ptx: str, expected: int) -> list[str]:
-    """Any fused multiply-add but ``expected`` ``fma.rn.f32`` (the 4-bit warp's): a contraction the launch forbids."""
+def fma_problems(ptx: str) -> list[str]:
+    """Any fused multiply-add: a contraction the launch forbids."""
     found = FMA.findall(ptx)
-    if found.count("fma.rn.f32") == expected and len(found) == expected:
-        return []
-    return [f"{len(found)} fused multiply-adds ({sorted(set(found))}), {expected} expected"]
+    return [f"{len(found)} fused multiply-adds ({sorted(set(found))}), none expected"] if found else []
 
 
 REQUIRED = [r"sqrt\.rn\.f32", r"div\.rn\.f32"]
@@ -167,7 +164,7 @@ def main(cc: int) -> int:
         k = triton.compile(
             src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
         )
-        bad = [b for b in BAD if re.search(b, k.asm["ptx"], re.M)] + fma_problems(k.asm["ptx"], 0)
+        bad = [b for b in BAD if re.search(b, k.asm["ptx"], re.M)] + fma_problems(k.asm["ptx"])
         failures += bool(bad)
         name = f"grad_sumsq g={spec['G_DTYPE']} rows={spec['ROWS']} aligned={spec['ALIGNED']}"
         print(f"sm_{cc} {name}: {'FAIL ' + str(bad) if bad else 'ok'} ({time.time() - t0:.1f} s)", flush=True)
@@ -178,7 +175,7 @@ def main(cc: int) -> int:
         )
         k = triton.compile(src, target=GPUTarget("cuda", cc, 32), options={"num_warps": 1, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        bad = [b for b in BAD if re.search(b, ptx, re.M)] + fma_problems(ptx, 0)
+        bad = [b for b in BAD if re.search(b, ptx, re.M)] + fma_problems(ptx)
         bad += [f"missing {r}" for r in REQUIRED if spec["CLIP"] and not re.search(r, ptx)]
         failures += bool(bad)
         name = f"release_norm lo={signature['coef_lo_ptr']} " + " ".join(f"{k}={v}" for k, v in spec.items())
@@ -192,9 +189,8 @@ def main(cc: int) -> int:
             src, target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "enable_fp_fusion": False}
         )
         ptx = k.asm["ptx"]
-        per_thread = spec["ROWS"] * 256 // (32 * warps)  # elements
         bad = [b for b in BAD if re.search(b, ptx, re.M)]
-        bad += fma_problems(ptx, WARP_FMAS * per_thread if spec["FMT"] == "4bit" else 0)
+        bad += fma_problems(ptx)
         bad += [f"missing {r}" for r in REQUIRED if not re.search(r, ptx)]
         failures += bool(bad)
         name = (

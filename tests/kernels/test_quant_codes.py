@@ -7,8 +7,8 @@ words of all-0 bits, all-1 bits, hashed words and words that set only the bits o
 from a previous scale at the absmax (kept: ``y`` is the value itself), from none (a restart at twice the absmax) and
 from one above the absmax (kept, decayed by beta2). Decoding: all 256 codes under ordinary and special scales, one
 code at a time and four to a word. The 4-bit codes (both moments in one byte, 128-element blocks) get the same
-treatment at the end of the module (format version 2: a bf16 ``m`` scale, an exact fp32 ``v`` scale, and 16 random
-bits for ``v``, the word's bits 6-21).
+treatment at the end of the module (format version 3: fp32 scales, the exact absmax for ``m`` and the envelope for
+``v``; 8 random bits for ``m``, the word's bits 0-7, and 16 for ``v``, bits 8-23, compared with an integer threshold).
 """
 
 import pytest
@@ -317,35 +317,38 @@ def test_decode_every_code(moment, words):
     assert torch.equal(one.abs(), mag) and torch.unique(one).numel() >= 240
 
 
-# ---- 4-bit: sign + e3m0 (bias 7) and e4m0 (bias 15) codes in one byte, 128-element blocks ---------------------------
+# ---- 4-bit (format version 3): sign + e3m0 m (bias 7) and two-binade v codes in one byte, 128-element blocks -------
 
-MANT4 = {"m": 0, "v": 0}
-# the word's bits that round a 4-bit m (0-5) and v (6-21)
+# the word's bits that round a 4-bit m (0-7) and v (8-23)
 WORD_MASK4 = {
-    "m": ((1 << ref.M_RAND_BITS) - 1) << ref.M4_RAND_SHIFT,
-    "v": ((1 << ref.V4_RAND_BITS) - 1) << ref.V4_RAND_SHIFT,
+    "m": ((1 << ref.M4V3_RAND_BITS) - 1) << ref.M4_RAND_SHIFT,
+    "v": ((1 << ref.V4V3_RAND_BITS) - 1) << ref.V4V3_RAND_SHIFT,
 }
-
-
-def _v4_word(r: int) -> int:
-    """The word whose bits round a 4-bit v with the 16-bit random value ``r`` (``reference.v4_rand_offset``)."""
-    return r << ref.V4_RAND_SHIFT
-
-
-def _words4(n: int, kind: str, moment: str) -> torch.Tensor:
-    """``_words`` for the 4-bit codes, whose m reads the word's bits 0-5 and v its bits 6-21."""
-    if kind in ("own_bits", "other_bits"):
-        mask = WORD_MASK4[moment]
-        return torch.full((n,), mask if kind == "own_bits" else 0xFFFFFFFF ^ mask, dtype=torch.int64)
-    return _words(n, kind, moment)
-
-
-BIAS4 = {"m": ref.M4_BIAS, "v": ref.BIAS}
 CODE_MAX4 = {"m": ref.M4_CODE_MAX, "v": ref.V4_CODE_MAX}
 
 
+def _words4(n: int, kind: str, moment: str) -> torch.Tensor:
+    """``_words`` for the 4-bit codes, whose m reads the word's bits 0-7 and v its bits 8-23."""
+    if kind == "own_bits":
+        return torch.full((n,), WORD_MASK4[moment], dtype=torch.int64)
+    if kind == "other_bits":
+        return torch.full((n,), 0xFFFFFFFF ^ WORD_MASK4[moment], dtype=torch.int64)
+    return _words(n, kind, moment)
+
+
+def _prev4(v: torch.Tensor, prev: str) -> tuple[torch.Tensor, float]:
+    """v's previous 4-bit block scales and beta2 for the kind ``prev`` (see PREV): "amax" keeps a scale of the
+    absmax itself (``y`` is then ``v / absmax``), "none" restarts at 4x the absmax, "above" keeps 1.5x it decayed."""
+    amax = ref._blocks(v, ref.BLOCK4).amax(dim=1)
+    if prev == "amax":
+        return amax, 1.0
+    if prev == "none":
+        return torch.zeros_like(amax), BETA2
+    return amax * 1.5, BETA2
+
+
 @triton.jit
-def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, n, EVEN: tl.constexpr):
+def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, prev_ptr, n, beta2, EVEN: tl.constexpr):
     row = tl.program_id(0)
     offs = row * 256 + tl.arange(0, 256)[None, :]
     mask = offs < n
@@ -353,9 +356,10 @@ def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, n, EVEN: t
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     bits = tl.load(bits_ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
     one = (n > 0).to(tl.uint32)
-    c, sm, sv = quant_mv4(m, v, mask, bits, one, EVEN)
-    tl.store(code_ptr + offs, c, mask=mask)
     blk = row * 2 + tl.arange(0, 2)
+    prev = tl.load(prev_ptr + blk, mask=blk * 128 < n, other=0.0)
+    c, sm, sv = quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN)
+    tl.store(code_ptr + offs, c, mask=mask)
     tl.store(ms_ptr + blk, sm, mask=blk * 128 < n)
     tl.store(vs_ptr + blk, sv, mask=blk * 128 < n)
 
@@ -364,8 +368,8 @@ def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, n, EVEN: t
 def _decode4_kernel(code_ptr, ms_ptr, vs_ptr, m_ptr, v_ptr, WORDS: tl.constexpr):
     row = tl.program_id(0)
     blk = row * 2 + tl.arange(0, 2)
-    ms = tl.load(ms_ptr + blk).to(tl.uint16, bitcast=True)
-    vs = tl.load(vs_ptr + blk).to(tl.float32, bitcast=True)  # fp32 v scales (format version 2), int32 bits
+    ms = tl.load(ms_ptr + blk).to(tl.float32, bitcast=True)  # fp32 scales (format version 3), int32 bits
+    vs = tl.load(vs_ptr + blk).to(tl.float32, bitcast=True)
     offs = row * 256 + tl.arange(0, 256)[None, :]
     if WORDS:
         w = tl.load(code_ptr.to(tl.pointer_type(tl.uint32), bitcast=True) + row * 64 + tl.arange(0, 64)[None, :])
@@ -376,13 +380,14 @@ def _decode4_kernel(code_ptr, ms_ptr, vs_ptr, m_ptr, v_ptr, WORDS: tl.constexpr)
     tl.store(v_ptr + offs, v)
 
 
-def _encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = False):
+def _encode4(m, v, bits, prev: str = "amax", even: bool = False):
     n = m.numel()
     assert v.numel() == n and (n % 256 == 0 or not even)
     codes = torch.empty(n, dtype=torch.uint8, device=DEVICE)
     nb = ref.num_blocks(n, ref.BLOCK4)
-    ms = torch.empty(nb, dtype=torch.int16, device=DEVICE)
+    ms = torch.empty(nb, dtype=torch.int32, device=DEVICE)
     vs = torch.empty(nb, dtype=torch.int32, device=DEVICE)
+    p, beta2 = _prev4(v, prev)
     _encode4_kernel[(ref.num_blocks(n),)](
         m.to(DEVICE),
         v.to(DEVICE),
@@ -390,17 +395,19 @@ def _encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = 
         codes,
         ms,
         vs,
+        p.to(DEVICE),
         n,
+        beta2,
         EVEN=even,
         num_warps=1,
         enable_fp_fusion=False,
     )
-    return codes.cpu(), ms.cpu().view(torch.bfloat16), vs.cpu().view(torch.float32)
+    return codes.cpu(), ms.cpu().view(torch.float32), vs.cpu().view(torch.float32)
 
 
-def _check_encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: bool = False) -> None:
-    want, want_ms, want_vs = ref.quantize_mv4(m, v, bits)
-    codes, ms, vs = _encode4(m, v, bits, even)
+def _check_encode4(m, v, bits, prev: str = "amax", even: bool = False) -> None:
+    want, want_ms, want_vs = ref.quantize_mv4(m, v, bits, *_prev4(v, prev))
+    codes, ms, vs = _encode4(m, v, bits, prev, even)
     assert same_bits(ms, want_ms), f"m scales: {mismatch(ms, want_ms)}"
     assert same_bits(vs, want_vs), f"v scales: {mismatch(vs, want_vs)}"
     bad = (codes != want).nonzero().flatten()
@@ -413,25 +420,26 @@ def _check_encode4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, even: b
 
 
 def _code_values4(moment: str) -> torch.Tensor:
-    return ref.minifloat_value(torch.arange(CODE_MAX4[moment] + 1), 0, BIAS4[moment])
+    c = torch.arange(CODE_MAX4[moment] + 1)
+    return ref.minifloat_value(c, 0, ref.M4_BIAS) if moment == "m" else ref.v4_value(c)
 
 
 def _boundary_values4(moment: str) -> torch.Tensor:
-    """Magnitudes in [0, 1]: the code values, 1 and 2 ulps either side, the midpoints between codes, the
-    subnormal/normal boundary (2**-6 for m, 2**-14 for v), ties of ``y + boundary`` (odd multiples of half its ulp)
-    and tiny values (a nonzero v must not get code 0)."""
+    """Magnitudes in [0, 1]: the code values, 1 and 2 ulps either side, the midpoints between codes, for ``v`` the
+    binade boundary inside each code's interval (where ``q`` jumps from ``2**23 - 1`` to ``2**23``), for ``m`` its
+    subnormal/normal boundary 2**-6 and ties of ``y + 2**-6``, and tiny values (a nonzero v must not get code 0)."""
     c = _code_values4(moment)
     zero, one = torch.zeros_like(c), torch.ones_like(c)
     dn1, up1 = torch.nextafter(c, zero), torch.nextafter(c, one)
     dn2, up2 = torch.nextafter(dn1, zero), torch.nextafter(up1, one)
     mid = (c[1:] + c[:-1]) / 2
-    b = 2.0 ** (1 - BIAS4[moment])
-    ulp = b * 2.0**-23  # of y + b
-    near = torch.tensor(
-        [b, b / 2, b / 4, b * 0.75, b - ulp, b - ulp / 2, b - 3 * ulp / 2, ulp, ulp / 2, 3 * ulp / 2, ulp / 4]
-        + [2.0**-149, 2.0**-130, 2.0**-127, 2.0**-126, 0.0, 1.0],
-        dtype=torch.float32,
-    )
+    if moment == "m":
+        b = 2.0**-6
+        ulp = b * 2.0**-23  # of y + b
+        extra = [b, b / 2, b / 4, b * 0.75, b - ulp, b - ulp / 2, b - 3 * ulp / 2, ulp, ulp / 2, 3 * ulp / 2, ulp / 4]
+    else:
+        extra = [2.0 ** (2 * k - 29) for k in range(15)] + [2.0**-28 * 0.75, 2.0**-29, 2.0**-40]
+    near = torch.tensor(extra + [2.0**-149, 2.0**-130, 2.0**-127, 2.0**-126, 0.0, 1.0], dtype=torch.float32)
     near = torch.cat(
         [near, torch.nextafter(near, zero[:1].expand_as(near)), torch.nextafter(near, one[:1].expand_as(near))]
     )
@@ -440,8 +448,8 @@ def _boundary_values4(moment: str) -> torch.Tensor:
 
 
 def _blocks4_led_by_one(vals: torch.Tensor, signs: bool) -> torch.Tensor:
-    """128-element blocks of 127 values, each led by 1.0 (scale 1, ``y`` the value itself); with ``signs`` every other
-    value is negated (0 becomes -0 there)."""
+    """128-element blocks of 127 values, each led by 1.0 (m scale 1, and v scale 1 with the "amax" previous scale:
+    ``y`` the value itself); with ``signs`` every other value is negated (0 becomes -0 there)."""
     if signs:
         vals = vals.clone()
         vals[1::2] = -vals[1::2]
@@ -465,10 +473,10 @@ def _both(moment: str, x: torch.Tensor):
 def test_4bit_code_boundaries(moment, words):
     x = _blocks4_led_by_one(_boundary_values4(moment), signs=moment == "m")
     _check_encode4(*_both(moment, x), _words4(x.numel(), words, moment))
-    # the same under a block scale that is not a bf16 value: the v scale is exact, and v's codes stay the same
-    s = 0.999
-    m, v = _both(moment, x * s)
-    _check_encode4(m, v, _words4(x.numel(), words, moment))
+    # the same under a block scale that is not a power of two, and for v under each kind of previous scale
+    m, v = _both(moment, x * 0.999)
+    for prev in PREV if moment == "v" else PREV[:1]:
+        _check_encode4(m, v, _words4(x.numel(), words, moment), prev)
 
 
 @pytest.mark.parametrize("moment", ["m", "v"])
@@ -486,28 +494,73 @@ def test_4bit_every_code_is_exact(moment):
         _check_encode4(m, v, _words4(x.numel(), kind, moment), even=True)
 
 
+def _v4_threshold(r: int) -> int:
+    """The least position ``q`` (``reference.v4_code``) at which the random value ``r`` rounds a v code up."""
+    unit, lo, hi = (2 * r + 1) * (9 << (52 - ref.V4V3_RAND_BITS)), 0, ref.V4_Q
+    while lo < hi:  # q * (a Q - (a - 128) q) increases with q below Q
+        mid = (lo + hi) // 2
+        if unit < mid * (ref.V4_ROUND_A * ref.V4_Q - (ref.V4_ROUND_A - 128) * mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _v4_of_q(k: int, q: int) -> float | None:
+    """The fp32 ``y`` in code interval ``k`` (lower code ``k + 1``) at position ``q``, None where none has it (an odd
+    ``q`` in the interval's upper binade)."""
+    if q < 1 << 23:
+        return _f32_bits(((ref.V4_EXP_MIN + 2 * k) << 23) | q).item()
+    if (q - (1 << 23)) % 2:
+        return None
+    return _f32_bits(((ref.V4_EXP_MIN + 2 * k + 1) << 23) | ((q - (1 << 23)) // 2)).item()
+
+
 @pytest.mark.parametrize("moment", ["m", "v"])
 def test_4bit_rounding_thresholds(moment):
-    """For each code step and several random values ``r``: the value whose dropped bits plus the offset reach the next
-    code exactly, and its neighbours one ulp either side (the word carries exactly those random bits); in the normal
-    range and below the subnormal boundary (there in units of the ulp of ``y + boundary``)."""
-    shift, nbits = (ref.M4_RAND_SHIFT, ref.M_RAND_BITS) if moment == "m" else (ref.V4_RAND_SHIFT, ref.V4_RAND_BITS)
+    """For several random values ``r``: the values where the code turns from rounding down to rounding up, and their
+    neighbours one ulp either side (the word carries exactly those random bits). ``m``: where the dropped bits plus
+    the offset reach the next code, in the normal range and below the subnormal boundary; ``v``: the least position
+    ``q`` that passes ``reference.v4_code``'s threshold, in every code interval."""
+    nbits = ref.M4V3_RAND_BITS if moment == "m" else ref.V4V3_RAND_BITS
+    shift = ref.M4_RAND_SHIFT if moment == "m" else ref.V4V3_RAND_SHIFT
     ys, ws = [], []
-    base = _code_values4(moment)[1 : CODE_MAX4[moment]]  # normal codes below 1.0
-    ulp = 2.0 ** (1 - BIAS4[moment]) * 2.0**-23
-    for r in (0, 1, (1 << (nbits - 1)) - 1, 1 << (nbits - 1), (1 << nbits) - 2, (1 << nbits) - 1):
-        offset = (r << (23 - nbits)) | (1 << (22 - nbits))
-        for delta in (-1, 0, 1):
-            ys.append(_f32_bits(base.view(torch.int32).long() + ((1 << 23) - offset) + delta))
-            ys.append(torch.tensor([((1 << 23) - offset + delta) * ulp], dtype=torch.float32))
-            word = r << shift if moment == "m" else _v4_word(r)
-            ws.append(torch.full((base.numel() + 1,), word, dtype=torch.int64))
+    for r in (0, 1, 77, (1 << (nbits - 1)) - 1, 1 << (nbits - 1), (1 << nbits) - 2, (1 << nbits) - 1):
+        if moment == "m":
+            base = _code_values4("m")[1 : CODE_MAX4["m"]]  # normal codes below 1.0
+            ulp = 2.0**-6 * 2.0**-23
+            offset = (r << (23 - nbits)) | (1 << (22 - nbits))
+            y = []
+            for delta in (-1, 0, 1):
+                y.append(_f32_bits(base.view(torch.int32).long() + ((1 << 23) - offset) + delta))
+                y.append(torch.tensor([((1 << 23) - offset + delta) * ulp], dtype=torch.float32))
+            y = torch.cat(y)
+        else:
+            q0 = _v4_threshold(r)
+            y = [_v4_of_q(k, q) for k in range(15) for q in (q0 - 2, q0 - 1, q0, q0 + 1, q0 + 2) if 0 <= q < ref.V4_Q]
+            y = torch.tensor([x for x in y if x is not None and x <= 1.0], dtype=torch.float32)
+        ys.append(y)
+        ws.append(torch.full((y.numel(),), r << shift, dtype=torch.int64))
     y, w = torch.cat(ys), torch.cat(ws)
     x = _blocks4_led_by_one(y, signs=moment == "m")
     bits = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), b]) for b in w.split(127)])
     _check_encode4(*_both(moment, x), bits)
     codes, _, _ = _encode4(*_both(moment, x), bits)
-    assert codes.unique().numel() > base.numel()  # the thresholds do decide
+    assert codes.unique().numel() > 14  # the thresholds do decide
+
+
+def test_4bit_v_rounding_probability():
+    """Over all 2**16 random values, ``v`` in a code's interval rounds up with probability ``A u + (1 - A) u**2`` to
+    within 2**-16 (``reference.v4_code``), at both binades of the interval."""
+    r = torch.arange(1 << 16, dtype=torch.int64) << ref.V4V3_RAND_SHIFT
+    a = ref.V4_ROUND_A / 128
+    for t in (1.0, 1.25, 1.9, 2.0, 3.0, 3.999):  # y = t * 2**-10: interval [2**-10, 2**-8), lower code 10
+        y = torch.full((r.numel(),), t * 2.0**-10)
+        p = (ref.v4_code(y, r) == 11).double().mean().item()
+        u = (t - 1) / 3
+        assert abs(p - (a * u + (1 - a) * u * u)) <= 2.0**-16, t
+    x = _blocks4_led_by_one(torch.full((127 * 4,), 1.37 * 2.0**-10), signs=False)
+    _check_encode4(*_both("v", x), _words4(x.numel(), "hashed", "v"))
 
 
 def _special_blocks4(moment: str) -> torch.Tensor:
@@ -540,7 +593,8 @@ def _special_blocks4(moment: str) -> torch.Tensor:
         block(-0.0, -1e-30, -(2.0**-149), 0.0, 1e-30, scale=0.0)
         block(-1.0, -(2.0**-6), -(2.0**-7), 2.0**-7, -0.0)
     else:
-        block(1.0, 2.0**-14, 2.0**-15, 2.0**-40, 2.0**-149)  # nonzero v far below the smallest code
+        block(1.0, 2.0**-28, 2.0**-29, 2.0**-40, 2.0**-149)  # nonzero v far below the smallest code
+        block(1e30, 1e-20, 2.0**-149)  # v / scale underflows to 0: still code 1
     return torch.cat(blocks)
 
 
@@ -549,14 +603,15 @@ def _special_blocks4(moment: str) -> torch.Tensor:
 @pytest.mark.parametrize("moment", ["m", "v"])
 def test_4bit_special_blocks_and_tail(moment, words, tail):
     """Special scales, and a tail that ends inside a row's first block, at its end (the row's second block empty)
-    or inside its second block."""
+    or inside its second block; v under each kind of previous scale."""
     x = _special_blocks4(moment)
     x = torch.cat([x, x[: 256 - x.numel() % 256]]) if x.numel() % 256 else x  # whole rows, then the tail
     gen = torch.Generator().manual_seed(tail)
     x = torch.cat(
         [x, torch.rand(tail, generator=gen) * (torch.randn(tail, generator=gen).sign() if moment == "m" else 1)]
     )
-    _check_encode4(*_both(moment, x), _words4(x.numel(), words, moment), even=tail == 0)
+    for prev in PREV if moment == "v" else PREV[:1]:
+        _check_encode4(*_both(moment, x), _words4(x.numel(), words, moment), prev, even=tail == 0)
 
 
 SCALES4 = SCALES + [2.0**120, 2.0**121, 3.3e38 / 2]
@@ -564,19 +619,19 @@ SCALES4 = SCALES + [2.0**120, 2.0**121, 3.3e38 / 2]
 
 @pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
 def test_4bit_decode_every_byte(words):
-    """All 256 bytes (every m code with every v code) under every pair of ordinary and special scales."""
+    """All 256 bytes (every m code with every v code) under every pair of ordinary and special fp32 scales."""
     gen = torch.Generator().manual_seed(1)
     k = len(SCALES4)
     codes = torch.stack([torch.randperm(256, generator=gen) for _ in range(k)]).to(torch.uint8).reshape(-1)
-    ms = torch.tensor([SCALES4[i % k] for i in range(2 * k)], dtype=torch.float32).to(torch.bfloat16)
-    vs = torch.tensor([SCALES4[(i + 3) % k] for i in range(2 * k)], dtype=torch.float32)  # fp32: version 2
-    vs[1] = 0.999  # not a bf16 value
+    ms = torch.tensor([SCALES4[i % k] for i in range(2 * k)], dtype=torch.float32)
+    vs = torch.tensor([SCALES4[(i + 3) % k] for i in range(2 * k)], dtype=torch.float32)
+    ms[3], vs[1] = 0.999, 0.999  # not bf16 values
     want_m, want_v = ref.dequantize_mv4(codes, ms, vs)
     m = torch.empty(codes.numel(), dtype=torch.float32, device=DEVICE)
     v = torch.empty_like(m)
     _decode4_kernel[(k,)](
         codes.to(DEVICE),
-        ms.view(torch.int16).to(DEVICE),
+        ms.view(torch.int32).to(DEVICE),
         vs.view(torch.int32).to(DEVICE),
         m,
         v,
@@ -590,5 +645,5 @@ def test_4bit_decode_every_byte(words):
     bm, bv = slice(0, 128), slice(128 * (2 * k - 3), 128 * (2 * k - 2))  # blocks with m scale 1, with v scale 1
     assert float(ms[0]) == 1.0 and float(vs[2 * k - 3]) == 1.0
     assert torch.equal(want_m[bm].abs(), ref.minifloat_value(codes[bm].long() & 7, 0, ref.M4_BIAS))
-    assert torch.equal(want_v[bv], ref.minifloat_value(codes[bv].long() >> 4, 0, ref.BIAS))
+    assert torch.equal(want_v[bv], 2.0 ** (2.0 * (codes[bv].long() >> 4) - 30) * (codes[bv] >= 16))
     assert torch.unique(want_m[bm]).numel() == 15 and torch.unique(want_v[bv]).numel() == 16

@@ -6,7 +6,9 @@ Each file under ``data/`` was written by the package at the last commit with tha
 seed 7) over a (3, 299) and a (17,) parameter, six steps (the 8-bit one with skewed gradients: one element in 256 at
 3.0, the others near 1e-3).
 
-- ``apexw4bit_v1_a329abf.pt``: 4-bit version 1 (bf16 ``v`` scales), converted into version 2;
+- ``apexw4bit_v1_a329abf.pt``: 4-bit version 1 (bf16 ``m`` and ``v`` scales), converted into version 3;
+- ``apexw4bit_v2_0f676df.pt``: 4-bit version 2 (a bf16 ``m`` scale, an fp32 ``v`` scale; skewed gradients: one element
+  in 128 at 3.0 N(0, 1), the others near 1e-3), converted into version 3;
 - ``apexw8bit_v2_745d1b6.pt``: 8-bit version 2 (bf16 ``v`` scales), converted into version 3.
 """
 
@@ -39,7 +41,12 @@ class Old:
 OLD = {
     "4bit_v1": Old(
         "apexw4bit_v1_a329abf.pt", ApexW4bit, "4bit_v1", "4bit",
-        lambda e: ref.dequantize_mv4(e["exp_avg_mv"], e["exp_avg_scale"], e["exp_avg_sq_scale"]),
+        lambda e: ref.dequantize_mv4_v2(e["exp_avg_mv"], e["exp_avg_scale"], e["exp_avg_sq_scale"]),
+        {"fp32": 0.0, "compact": 2.0**-7, "8bit": 2.0**-3},
+    ),
+    "4bit_v2": Old(
+        "apexw4bit_v2_0f676df.pt", ApexW4bit, "4bit_v2", "4bit",
+        lambda e: ref.dequantize_mv4_v2(e["exp_avg_mv"], e["exp_avg_scale"], e["exp_avg_sq_scale"]),
         {"fp32": 0.0, "compact": 2.0**-7, "8bit": 2.0**-3},
     ),
     "8bit_v2": Old(
@@ -67,11 +74,14 @@ def _same(opt, snap):
 
 
 @pytest.mark.parametrize("version", OLD)
-def test_old_entries_are_recognised_by_their_bf16_v_scale(version):
+def test_old_entries_are_recognised_by_their_scales(version):
+    """A bf16 v scale (4-bit and 8-bit version 1, 8-bit version 2), or a bf16 m scale beside an fp32 v scale (4-bit
+    version 2; version 3 has both fp32)."""
     old = OLD[version]
     saved, _ = _load(old)
     for entry in saved["optimizer"]["state"].values():
-        assert entry["exp_avg_sq_scale"].dtype == torch.bfloat16
+        assert entry["exp_avg_sq_scale"].dtype == (torch.float32 if version == "4bit_v2" else torch.bfloat16)
+        assert entry["exp_avg_scale"].dtype == torch.bfloat16
         assert st.state_format_of(entry) == old.old_format
 
 
@@ -88,6 +98,7 @@ def test_old_checkpoint_converts_exactly_and_deterministically(version):
     for i, p in enumerate(params):
         entry, s = sd["state"][i], opt.state[p]
         assert st.state_format_of(s) == old.new_format and s["exp_avg_sq_scale"].dtype == torch.float32
+        assert s["exp_avg_scale"].dtype == (torch.float32 if old.new_format == "4bit" else torch.bfloat16)
         m, v = old.decode(entry)
         want = st.init_state(p, old.new_format)
         ref.store_moments(want, old.new_format, m, v, ref.stream_key(7, i, 6, ref.STREAM_MV))
@@ -163,7 +174,7 @@ def test_damaged_8bit_v2_entry_is_refused_without_change():
         ),
         (
             lambda s: s.update(exp_avg_sq_scale=s["exp_avg_sq_scale"].half()),
-            r"'exp_avg_sq_scale' .* is torch.float16 \(8,\); format '4bit' needs torch.float32 \(8,\)",
+            r"'exp_avg_sq_scale' .* is torch.float16 \(8,\); format '4bit_v2' needs torch.float32 \(8,\)",
         ),
         (
             lambda s: s.update(exp_avg_mv=s["exp_avg_mv"].reshape(299, 3)),
@@ -187,15 +198,32 @@ def test_damaged_4bit_v1_state_is_refused_and_changes_nothing(edit, match):
     assert _same(opt, before)
 
 
-def test_4bit_v2_state_dict_says_its_version():
-    """A saved version-2 entry holds fp32 v scales (the version) and reloads as itself, bit for bit."""
+def test_4bit_v2_keeps_m_and_v_close():
+    """4-bit version 3 codes m as version 2 did, over the exact absmax instead of the absmax rounded up to bf16, and v
+    in codes of two binades: the converted checkpoint's m is version 2's within one code step (a factor 2, or 0 and the
+    least code), its v within one v code step (a factor 4)."""
+    old = OLD["4bit_v2"]
+    saved, params = _load(old)
+    opt = ApexW4bit(params)
+    opt.load_state_dict(saved["optimizer"])
+    for i, p in enumerate(params):
+        m, v = old.decode(saved["optimizer"]["state"][i])
+        got = opt.dequantized_state(p)
+        amax = m.abs().reshape(-1).max()
+        assert ((got["exp_avg"] - m).abs() <= torch.maximum(m.abs(), amax * 2.0**-6)).all()
+        assert (got["exp_avg_sq"] <= 4 * v).all() and (got["exp_avg_sq"] >= v / 4).all()
+
+
+def test_4bit_v3_state_dict_says_its_version():
+    """A saved version-3 entry holds fp32 m and v scales (the version) and reloads as itself, bit for bit."""
     p = torch.nn.Parameter(torch.randn(300))
     opt = ApexW4bit([p])
     p.grad = torch.randn(300)
     opt.step()
     sd = opt.state_dict()
     entry = sd["state"][0]
-    assert entry["exp_avg_sq_scale"].dtype == torch.float32 and st.state_format_of(entry) == "4bit"
+    assert entry["exp_avg_scale"].dtype == entry["exp_avg_sq_scale"].dtype == torch.float32
+    assert st.state_format_of(entry) == "4bit"
     q = torch.nn.Parameter(p.detach().clone())
     opt2 = ApexW4bit([q])
     opt2.load_state_dict(sd)

@@ -17,6 +17,9 @@ SHAPES = [(33, 65), (257,), (1,)]
 # moments to powers of two put them up to 0.67 of the largest value away from an fp32 run's (measured): 1/4 here,
 # so that the test's 4 x TOLERANCE is the largest value itself.
 TOLERANCE = {"fp32": 0.0, "compact": 2**-8, "8bit": 1 / 16, "4bit": 1 / 4}
+# 4-bit v (format version 3): codes a factor 4 apart under a scale up to 4x the block's maximum (the envelope), so a
+# decoded v can be a few times the largest exact one (measured 2.5x here): 3/4, so that 4 x that is 3x the largest.
+V_TOLERANCE = {**TOLERANCE, "4bit": 3 / 4}
 
 
 def _roundtrip(sd):
@@ -70,7 +73,8 @@ def test_dequantized_state_is_fp32_and_close_to_an_fp32_run(fmt):
             assert got[key].dtype == torch.float32 and got[key].shape == p.shape
             scale = want[key].abs().max()
             # the formats' runs drift apart a little through the parameters, hence the factor 4
-            assert (got[key] - want[key]).abs().max() <= 4 * TOLERANCE[fmt] * scale + 1e-12, key
+            tol = (V_TOLERANCE if key == "exp_avg_sq" else TOLERANCE)[fmt]
+            assert (got[key] - want[key]).abs().max() <= 4 * tol * scale + 1e-12, key
         if fmt == "fp32":
             assert torch.equal(got["exp_avg"], opt.state[p]["exp_avg"])
         m, v = ref.load_moments(opt.state[p], fmt, p.shape)  # the specification's decoding, bit for bit

@@ -251,7 +251,7 @@ def test_tiny_full_grid_end_to_end(tmp_path):
         assert r["trainable_param_bytes"] == r["grad_bytes"] == size * n
         assert r["train_bytes_per_param"] == pytest.approx((2 * size * n + r["optimizer_state_bytes"]) / n)
     assert runs[("adamw_torch@fp32", 5e-3)]["train_bytes_per_param"] == pytest.approx(16.0, abs=0.01)
-    # its optim_args took the optimizer to 4-bit state: ~1.05 bytes per parameter (8-bit's ~2.03)
+    # its optim_args took the optimizer to 4-bit state: ~1.06 bytes per parameter (8-bit's ~2.03)
     apexw = runs[("apexw_8bit@bf16", 5e-3)]
     assert 1.0 < apexw["optimizer_state_bytes"] / apexw["trainable_params"] < 1.2
     md = (out / "summary.md").read_text()

@@ -1,5 +1,5 @@
 """Triton helpers of the block formats: 8-bit version 3 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
-4-bit version 2 (``reference.quantize_mv4`` / ``dequantize_mv4``).
+4-bit version 3 (``reference.quantize_mv4`` / ``dequantize_mv4``).
 
 A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
 
@@ -18,20 +18,17 @@ multiplication replaces the reference's comparison, addition and selection, and 
 offset, shifted, are the code. The shift is folded into the addition (``(bits(t) << s) + (offset << s)``, one LEA or
 IMAD) so that the code lands in the top byte.
 
-4-bit state (``reference.quantize_mv4``, format version 2) holds both codes in one byte: bits 0-2 the ``m`` magnitude
-(e3m0, exponent bias 7), bit 3 its sign, bits 4-7 the ``v`` code (e4m0, bias 15); ``m`` has a bf16 block scale (absmax
-rounded up), ``v`` an fp32 one (the exact absmax, canonical NaN). The tile stays ``[ROWS, 256]``; block scales are
-reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp, holds two 4-bit blocks). The same
-product encodes both codes: ``y * 2**-112`` for ``v`` (bias 15, as above) and ``y * 2**-120`` for ``m`` (bias 7: its
-subnormal boundary 2**-6 lands on fp32's 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 *
-2**120); with no mantissa bits a code is the fp32 exponent field of that product once the random offset is added.
-One shift of the random word places ``m``'s random bits (bits 0-5) right below its code when the magnitude is added
-shifted left by 5 (code in bits 28-30, bit 31 free); ``v``'s 16 random bits (bits 6-21, ``reference.v4_rand_offset``)
-are where they belong already, below the code at bits 22-25 of the warped magnitude's bits shifted right by 1 (the
-bit shifted out lies below the half-unit bit, so the carry, hence the code, is the same; the shift and the addition
-are one LEA.HI): one mask of the word. Decoding goes through fp16
-as for 8 bits: the ``v`` code is the fp16 exponent field (``code << 10``, code 0 the zero); the ``m`` code is too with
-bias 15, and an exact fp16 multiplication by 256, two codes at a time, moves it to bias 7 (zero stays zero).
+4-bit state (``reference.quantize_mv4``, format version 3) holds both codes in one byte: bits 0-2 the ``m`` magnitude
+(e3m0, exponent bias 7), bit 3 its sign, bits 4-7 the ``v`` code (``2**(2 (c - 15))``, code 0 zero); both scales are
+fp32: ``m``'s the exact absmax (canonical NaN), ``v``'s the envelope of ``reference.v4_scale``. The tile stays
+``[ROWS, 256]``; block scales are reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp,
+holds two 4-bit blocks). ``m`` is encoded on ``y * 2**-120`` (bias 7: its subnormal boundary 2**-6 lands on fp32's
+2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 * 2**120); with no mantissa bits its code is
+the fp32 exponent field of that product once the random offset (the word's bits 0-7) is added. The ``v`` code is
+``reference.v4_code``'s integer work as it is: the threshold comparison in int64, no floating-point operation, so
+nothing that contraction into a fused multiply-add could change. Decoding: the ``m`` code goes through fp16 as for 8
+bits (the fp16 exponent field with bias 15, moved to bias 7 by an exact fp16 multiplication by 256, two codes at a
+time); the ``v`` code ``c`` is the fp32 with bits ``(c << 24) + (97 << 23)``, zero for code 0.
 """
 
 import triton
@@ -51,16 +48,21 @@ V8_HALF = tl.constexpr(1 << 7)
 TWO_POW_M96 = tl.constexpr(2.0**-96)
 TWO_POW_96 = tl.constexpr(2.0**96)
 V8_HEADROOM = tl.constexpr(2.0)
-# 4-bit: one shift of the random word by W4_SHIFT puts bits 0-5 (m) at bits 22-27, right below the m code when the
-# magnitude's bits are added shifted left by 5, plus half a unit below them (reference._rand_offset with drop = 23).
+# 4-bit (format version 3): one shift of the random word by W4_SHIFT puts bits 0-7 (m) at bits 20-27, right below the
+# m code when the magnitude is added shifted left by 5, plus half a unit below them (reference._rand_offset, drop 23)
 TWO_POW_M120 = tl.constexpr(2.0**-120)
-W4_SHIFT = tl.constexpr(22)
-M4_RAND_MASK, M4_HALF = tl.constexpr(0x3F << 22), tl.constexpr(1 << 21)
-# 4-bit v (version 2), added to the bits of its warped magnitude shifted right by 1 (code at bits 22-25): bits 6-21 of
-# the word as they are, half a unit at bit 5.
-V4_RAND_MASK, V4_HALF = tl.constexpr(0xFFFF << 6), tl.constexpr(1 << 5)
+W4_SHIFT = tl.constexpr(20)
+M4_RAND_MASK, M4_HALF = tl.constexpr(0xFF << 20), tl.constexpr(1 << 19)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
-V4_LOG_X3, V4_LOG_X2, V4_LOG_X1, V4_LOG_X0 = (tl.constexpr(c / 1024) for c in (168, -1125, 3223, -1242))
+# 4-bit v (reference.v4_code): 16 random bits from bit 8 of the word; the threshold's integers; the fp32 exponent field
+# of the least code's value (2**-28), and the bits of code c's value, (c << 24) + V4_VAL_OFF
+V4_RAND_SHIFT, V4_RAND_MASK = tl.constexpr(8), tl.constexpr(0xFFFF)
+V4_UNIT = tl.constexpr(9 << 36)
+V4_AQ, V4_A1 = tl.constexpr(237 * (3 << 23)), tl.constexpr(237 - 128)
+V4_EXP_MIN = tl.constexpr(99)
+V4_LEAST_BITS = tl.constexpr(99 << 23)
+V4_VAL_OFF = tl.constexpr(97 << 23)
+V4_HEADROOM = tl.constexpr(4.0)
 
 
 @triton.jit
@@ -263,23 +265,29 @@ def _by_block4(x, s):
 
 
 @triton.jit
-def dequant_mv4(codes, m_scale_bits, v_scale):
-    """uint8 4-bit codes [R, 256], bf16 ``m`` scale bits [2 * R] and fp32 ``v`` scales [2 * R] -> fp32 (m, v)
-    (``reference.dequantize_mv4``).
+def _v4_values(hi):
+    """fp32 values of 4-bit ``v`` codes held at bits 24-27 of uint32 ``hi`` (the rest zero): ``2**(2 c - 30)``, 0 for
+    code 0 (``reference.v4_value``)."""
+    return tl.where(hi > 0, hi + V4_VAL_OFF, 0).to(tl.float32, bitcast=True)
 
-    ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``); ``v``: the
-    fp16 ``code << 10`` is ``2**(code - 15)`` (0 for code 0); each times its block's scale: the reference's one
-    rounded product of two exact values.
+
+@triton.jit
+def dequant_mv4(codes, m_scale, v_scale):
+    """uint8 4-bit codes [R, 256] and fp32 ``m`` and ``v`` scales [2 * R] -> fp32 (m, v) (``reference.dequantize_mv4``,
+    format version 3).
+
+    ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``); ``v``: see
+    :func:`_v4_values`; each times its block's scale: the reference's one rounded product of two exact values.
     """
     c = codes.to(tl.uint32)
     hm = _m4_halves(((c << 10) & 0x1C00) | ((c << 12) & 0x8000))  # the high half stays 0
-    m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), bf16_bits_to_f32(m_scale_bits))
-    v = _by_block4(_f16_bits_to_f32(((c << 6) & 0x3C00).to(tl.uint16)), v_scale)
+    m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), m_scale)
+    v = _by_block4(_v4_values((c << 20) & 0x0F000000), v_scale)
     return m, v
 
 
 @triton.jit
-def dequant_mv4_words(w, m_scale_bits, v_scale):
+def dequant_mv4_words(w, m_scale, v_scale):
     """``dequant_mv4`` on the codes packed four to a little-endian uint32 word [R, 64] -> (m, v) [R, 256].
 
     As :func:`_decode_words`: two codes per 32-bit operation, bytes 0 and 2 in one word, bytes 1 and 3 in another.
@@ -287,51 +295,53 @@ def dequant_mv4_words(w, m_scale_bits, v_scale):
     """
     m_even = ((w << 10) & 0x1C001C00) | ((w << 12) & 0x80008000)
     m_odd = ((w << 2) & 0x1C001C00) | ((w << 4) & 0x80008000)
-    v_even = (w << 6) & 0x3C003C00
-    v_odd = (w >> 2) & 0x3C003C00
     x = tl.join(_halves_to_f16(m_even), _halves_to_f16(m_odd)) * 256.0  # [R, W, 2 (bytes 0|1, 2|3), 2 (even, odd)]
     m = tl.reshape(x.to(tl.float32), (w.shape[0], 4 * w.shape[1]))
-    x = tl.join(_halves_to_f32(v_even), _halves_to_f32(v_odd))
+    # v: each byte's high nibble moved to bits 24-27 of a word of its own, joined as in dequant_v_words
+    b0 = _v4_values((w << 20) & 0x0F000000)
+    b1 = _v4_values((w << 12) & 0x0F000000)
+    b2 = _v4_values((w << 4) & 0x0F000000)
+    b3 = _v4_values((w >> 4) & 0x0F000000)
+    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
     v = tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
-    return _by_block4(m, bf16_bits_to_f32(m_scale_bits)), _by_block4(v, v_scale)
+    return _by_block4(m, m_scale), _by_block4(v, v_scale)
 
 
 @triton.jit
-def v4_warp_scaled_bits(y, one_f32):
-    """The fp32 bits of ``reference.v4_log_warp(y) * 2**-112`` for fp32 ``2**-14 <= y <= 1``, bit for bit: the
-    mantissa replaced by that of ``w = fma(x, fma(x, fma(x, X3, X2), X1), X0)``, ``x`` the mantissa with 1.0's
-    exponent (``tl.fma``: one rounding each, as the reference's), the exponent field moved down by 112 as an integer;
-    for smaller ``y >= 0`` bits that give code 0 or 1, as the reference's subnormal product does.
+def v4_scale(v, mask, prev, beta2):
+    """``reference.v4_scale`` of the rows of ``v >= 0`` [R, B]: :func:`v8_scale` with 4x headroom."""
+    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
+    a = amax.to(tl.float32, bitcast=True)
+    env = prev * beta2
+    s = tl.where(a <= env, env, a * V4_HEADROOM)
+    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, f32_bits(s))
+    s = sbits.to(tl.float32, bitcast=True)
+    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
 
-    ``one_f32``: the bits of 1.0 (0x3F800000, uint32) in a register the compiler cannot see as a constant (as ``one``
-    in :func:`quant_m`), so that the mantissa is masked and given 1.0's exponent in one LOP3. The warp's result,
-    ``2**e * w`` with ``w`` in [1, 2], times ``2**-112``, has the bits of ``w`` plus ``(e - 112) << 23``
-    (``w = 2`` included: the exponent goes up by one, as the reference's integer sum carries into it): exact for
-    ``y >= 2**-14``, whose product is normal. For ``2**-15 <= y < 2**-14`` the bits are ``w``'s mantissa alone (the
-    exponent field 0), a code of 0 or 1 after the random offset, where the reference's product is a subnormal and
-    its code 0 or 1 too; either way :func:`quant_mv4` then gives every nonzero ``v`` code 1. Below ``2**-15`` (0 and
-    fp32 subnormals included) the integer sum would borrow from the exponent; it is negative then, and an integer
-    maximum with 0 makes it code 0 (one instruction, where clamping ``y`` at 2**-15 beforehand cost a float minimum
-    and maximum per element that the clamp to [0, 1] otherwise folds away).
-    """
+
+@triton.jit
+def v4_code(y, bits):
+    """``reference.v4_code`` of fp32 ``y`` in [0, 1] with the random words ``bits`` (uint32): integer work only, the
+    rounding threshold compared in int64; 0 below 2**-28."""
     b = f32_bits(y)
-    x = ((b & 0x7FFFFF) | one_f32).to(tl.float32, bitcast=True)
-    w = tl.fma(x, tl.fma(x, tl.fma(x, V4_LOG_X3, V4_LOG_X2), V4_LOG_X1), V4_LOG_X0)
-    s = ((b & 0x7F800000) + f32_bits(w) - ((127 + 112) << 23)).to(tl.int32, bitcast=True)
-    return tl.maximum(s, 0).to(tl.uint32, bitcast=True)
+    d = (b >> 23).to(tl.int32) - V4_EXP_MIN
+    odd = (d & 1).to(tl.uint32)
+    q = ((odd << 23) + ((b & 0x7FFFFF) << odd)).to(tl.int64)
+    r = ((bits >> V4_RAND_SHIFT) & V4_RAND_MASK).to(tl.int64)
+    up = ((2 * r + 1) * V4_UNIT) < q * (V4_AQ - V4_A1 * q)
+    c = (d >> 1) + 1 + up.to(tl.int32)
+    return tl.where(b >= V4_LEAST_BITS, c, 0).to(tl.uint32)
 
 
 @triton.jit
-def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
-    """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R] (bf16), v scale bits [2 * R]
-    (fp32)): scales of 128-element blocks; bits 0-5 of the 32 random ``bits`` round ``m``, bits 6-21 round ``v`` (in
-    the log domain, :func:`v4_warp_scaled_bits`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``,
-    format version 2). ``one``: [2 * R, 1], as in :func:`quant_m`. ``EVEN``: the launch is whole 256-element rows
-    (masked rows hold zeros).
+def quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
+    """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R], both
+    fp32): scales of 128-element blocks; bits 0-7 of the 32 random ``bits`` round ``m``, bits 8-23 round ``v``
+    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 3). ``one``: [2 *
+    R, 1], as in :func:`quant_m`; ``prev``: the fp32 ``v`` scales stored before this step [2 * R]; ``beta2``: the
+    step's fp32 beta2. ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
 
-    See the module docstring: the ``m`` code lands in bits 28-30 of ``xm``, the ``v`` code in bits 0-3 of ``cv``, and
-    ``(xm >> 28) | (cv << 4)`` is one funnel shift. The sign is set after it: set in ``xm`` before, the compiler moves
-    it after the shift anyway and the funnel becomes two shifts and an add.
+    The ``m`` code lands in bits 28-30 of ``xm`` (module docstring); the sign is set after the codes are joined.
     """
     R: tl.constexpr = m.shape[0]
     m = tl.reshape(m, (2 * R, 128))
@@ -339,13 +349,12 @@ def quant_mv4(m, v, mask, bits, one, EVEN: tl.constexpr):
     mask = tl.reshape(mask, (2 * R, 128))
     bits = tl.reshape(bits, (2 * R, 128))
     a = tl.abs(m)
-    msb, minv = block_scale(a, mask, not EVEN)
-    vsb, vinv = block_scale_f32(v, mask, not EVEN)
+    msb, minv = block_scale_f32(a, mask, not EVEN)
+    vsb, vinv = v4_scale(v, mask, prev, beta2)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
-    rv = (bits & V4_RAND_MASK) | (one * V4_HALF)
-    cv = ((v4_warp_scaled_bits(yv, one * 0x3F800000) >> 1) + rv) >> 22
+    cv = v4_code(yv, bits)
     cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)

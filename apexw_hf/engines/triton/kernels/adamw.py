@@ -23,8 +23,8 @@ it), and the program adds the rows it skipped to the optimizer's counters last (
 
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
 ``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
-fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``), one scale
-per 128 elements and moment. bf16/fp16
+fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``, format
+version 3), one fp32 scale per 128 elements and moment. bf16/fp16
 parameters are rounded stochastically (``STOCHASTIC_PARAM``) or to nearest. With 8-bit or 4-bit state, a bf16
 parameter is rounded with the top 16 bits of the moments' random word (``reference.param_stream``), so the kernel
 hashes one word per element.
@@ -276,10 +276,12 @@ def _adamw_kernel(
             if SKIP_NONFINITE:
                 sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
-            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
-            # format version 2: the v scales are fp32
-            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
-            msc = tl.load(ms_ptr + srows, mask=bmask, other=0)
+            # format version 3: both scales are fp32 (v's an envelope that the encoding reads back)
+            ms_addr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t)
+            ms_ptr = ms_addr.to(tl.pointer_type(tl.uint32)) + blk0
+            vs_addr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t)
+            vs_ptr = vs_addr.to(tl.pointer_type(tl.uint32)) + blk0
+            msc = tl.load(ms_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             vsc = tl.load(vs_ptr + srows, mask=bmask, other=0).to(tl.float32, bitcast=True)
             # Both moments' codes in one byte per element: one byte load and one byte store per element.
             mv_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
@@ -298,9 +300,11 @@ def _adamw_kernel(
             if SKIP_NONFINITE:
                 sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
-            ms_ptr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint16)) + blk0
+            ms_addr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t)
+            ms_ptr = ms_addr.to(tl.pointer_type(tl.uint16)) + blk0
             # format version 3: the v scales are fp32 (an envelope that the encoding reads back)
-            vs_ptr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t).to(tl.pointer_type(tl.uint32)) + blk0
+            vs_addr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t)
+            vs_ptr = vs_addr.to(tl.pointer_type(tl.uint32)) + blk0
             mc_ptr = _base(m_addr, start, tl.uint8, ALIGNED)
             vc_ptr = _base(v_addr, start, tl.uint8, ALIGNED)
             msc = tl.load(ms_ptr + rows, mask=bmask, other=0)
@@ -337,15 +341,15 @@ def _adamw_kernel(
             tl.store(m_ptr + offs, m, mask=smask)
             tl.store(v_ptr + offs, v, mask=smask)
         else:
-            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit and 4bit:
-            # bits 0-5 m, bits 6-21 v, the top 16 a bf16 parameter).
+            # One random word per element rounds both moments (compact: top 16 bits m, low 16 bits v; 8bit: bits 0-5
+            # m, bits 6-21 v; 4bit: bits 0-7 m, bits 8-23 v; the top 16 a bf16 parameter).
             bits_mv = uniform_bits(idx_golden, stream_key(tkey, ustep, STREAM_MV))
             if FMT == "compact":
                 tl.store(m_ptr + offs, f32_to_bf16_bits_stochastic(m, bits_mv), mask=smask)
                 tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=smask)
             elif FMT == "4bit":
                 one = bmask.to(tl.uint32)[:, None]  # [2 * ROWS, 1], see quant_m
-                cmv, sm, sv = quant_mv4(m, v, mask, bits_mv, one, EVEN)
+                cmv, sm, sv = quant_mv4(m, v, mask, bits_mv, one, vsc, beta2, EVEN)
                 tl.store(mv_ptr + offs, cmv, mask=smask)
                 tl.store(ms_ptr + srows, sm, mask=sbmask)
                 tl.store(vs_ptr + srows, sv, mask=sbmask)
