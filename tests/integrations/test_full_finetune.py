@@ -49,8 +49,8 @@ def _check_no_master_copy(opt, model, fmt):
         "compact": 4 * n + per_tensor * len(params),
         # uint8 m + uint8 v; per block a bf16 m scale and an fp32 v scale (format version 3)
         "8bit": 2 * n + (2 + 4) * n_blocks + per_tensor * len(params),
-        # one byte for m and v; per 128 elements a bf16 m scale and an fp32 v scale (format version 2)
-        "4bit": n + (2 + 4) * n_blocks4 + per_tensor * len(params),
+        # one byte for m and v; per 128 elements an fp32 m scale and an fp32 v scale (format version 3)
+        "4bit": n + (4 + 4) * n_blocks4 + per_tensor * len(params),
     }[fmt]
     assert opt.state_bytes() == expected
 
