@@ -95,7 +95,7 @@ def test_unsloth_trainer_full_finetune_keeps_a_bf16_model_bf16(tmp_path):
 
 def test_unsloth_cpu_mode_trains_with_apexw_4bit(tmp_path):
     """optim="apexw_4bit" through UnslothTrainer (its own param groups) in CPU mode: ApexW4bit, 4-bit state of the
-    exact size (one byte per element, a bf16 m scale and an fp32 v scale per 128 elements, an fp32 step per tensor),
+    exact size (one byte per element, an fp32 m scale and an fp32 v scale per 128 elements, an fp32 step per tensor),
     the loss falls."""
     result, proc = _run_check(tmp_path, "unsloth_first", "optim=apexw_4bit")
     assert result["control"] == "adamw_torch_fused", "Unsloth's CPU mode is not active: the check would prove nothing"
@@ -103,6 +103,6 @@ def test_unsloth_cpu_mode_trains_with_apexw_4bit(tmp_path):
     assert result["optimizer"] == "ApexW4bit"
     assert result["groups"] == [[0.001, 0.01, 1], [0.01, 0.01, 28]]
     assert result["state_keys"] == ["exp_avg_mv", "exp_avg_scale", "exp_avg_sq_scale", "step"]
-    assert result["state_bytes"] == sum(n + (2 + 4) * -(-n // 128) + 4 for n in result["trained_sizes"])
+    assert result["state_bytes"] == sum(n + (4 + 4) * -(-n // 128) + 4 for n in result["trained_sizes"])
     assert len(result["losses"]) == 3 and result["losses"][-1] < result["losses"][0]
     assert "'apexw_4bit' needs a GPU" not in proc.stdout
