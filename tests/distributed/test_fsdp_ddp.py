@@ -88,12 +88,6 @@ def resume_once(rank, world, out, fmt, full):
     ``out``, a new model and optimizer loaded from it, 5 more steps. Returns ``{"equal": whether the resumed
     parameters are the unbroken run's bit for bit, "where": None, or where the runs first part}``. Run on every rank of
     an initialised group; scripts/stress_fsdp_resume.py repeats it inside one pair of ranks."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
 
     data = w.batches(12, rank, world)
     model = w.sharded(world)
@@ -105,28 +99,14 @@ def resume_once(rank, world, out, fmt, full):
     model = w.sharded(world)
     opt = ApexW(model.parameters(), lr=3e-3, state_format=fmt, seed=5)
     w.train(model, opt, data[:7], first_steps)
-    options = StateDictOptions(full_state_dict=full, cpu_offload=full)
-    osd = get_optimizer_state_dict(model, opt, options=options)
     msd = {k: v.detach().clone() if not full else v for k, v in model.state_dict().items()}
-    ckpt = os.path.join(out, "ckpt")
-    if full:
-        if rank == 0:
-            torch.save(osd, os.path.join(out, "full.pt"))
-        dist.barrier()
-    else:
-        dcp.save({"optim": osd}, checkpoint_id=ckpt)
+    ckpt = os.path.join(out, "full.pt" if full else "ckpt")
+    w.save_optimizer(model, opt, ckpt, full, rank)
 
     model2 = w.sharded(world)
     model2.load_state_dict(msd)
     opt2 = ApexW(model2.parameters(), lr=3e-3, state_format=fmt, seed=5)
-    if full:
-        osd2 = torch.load(os.path.join(out, "full.pt"), weights_only=True) if rank == 0 else {}
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_optimizer_state_dict(model2, opt2, osd2, options=options)
-    else:
-        target = {"optim": get_optimizer_state_dict(model2, opt2)}
-        dcp.load(target, checkpoint_id=ckpt)
-        set_optimizer_state_dict(model2, opt2, target["optim"])
+    w.load_optimizer(model2, opt2, ckpt, full, rank)
     loaded = w.snapshot(model2, opt2)
     w.train(model2, opt2, data[7:], resumed_steps)
     resumed = w.gathered_params(model2)

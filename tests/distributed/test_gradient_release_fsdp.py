@@ -140,12 +140,6 @@ def _train_released(model, opt, data):
 def _resume_with_clipping(world, rank, out, data, full):
     """Checkpoint with torch.distributed.checkpoint's optimizer state dict (what Accelerate saves for FSDP2), resume,
     continue: equal to the unbroken run, the clipping of the first resumed step included."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
 
     model = w.sharded(world)
     _train_released(model, _clipping_opt(model), data)
@@ -154,29 +148,15 @@ def _resume_with_clipping(world, rank, out, data, full):
     model = w.sharded(world)
     opt = _clipping_opt(model)
     _train_released(model, opt, data[:2])
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
     msd = {k: v.detach().clone() if not full else v for k, v in model.state_dict().items()}
     ckpt = os.path.join(out, f"ckpt_{full}")
-    if full:
-        if rank == 0:
-            torch.save(osd, ckpt)
-        dist.barrier()
-    else:
-        dcp.save({"optim": osd}, checkpoint_id=ckpt)
+    w.save_optimizer(model, opt, ckpt, full, rank)
     opt._release.remove_hooks()
 
     model2 = w.sharded(world)
     model2.load_state_dict(msd)
     opt2 = _clipping_opt(model2)
-    if full:
-        osd2 = torch.load(ckpt, weights_only=True) if rank == 0 else {}
-        set_optimizer_state_dict(
-            model2, opt2, osd2, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-    else:
-        target = {"optim": get_optimizer_state_dict(model2, opt2)}
-        dcp.load(target, checkpoint_id=ckpt)
-        set_optimizer_state_dict(model2, opt2, target["optim"])
+    w.load_optimizer(model2, opt2, ckpt, full, rank)
     restored = opt2._release.state() == opt._release.state() and opt._release.grad_norm is not None
     _train_released(model2, opt2, data[2:])
     resumed = w.gathered_params(model2)

@@ -117,12 +117,6 @@ def _same_as_device_state(world, fmt, release, data):
 def _resume(world, rank, out, fmt, release, full, data):
     """Offload checkpointed after 2 of 3 steps with torch.distributed.checkpoint (sharded) or a full state dict,
     loaded into a new model and optimizer with offload and into one without: both continue as the unbroken run."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
 
     model = _sharded(world)
     opt = _opt(model, fmt, True, release)
@@ -134,15 +128,9 @@ def _resume(world, rank, out, fmt, release, full, data):
     model = _sharded(world)
     opt = _opt(model, fmt, True, release)
     _train(model, opt, data[:2], release)
-    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
     msd = {k: v.detach().clone() if not full else v for k, v in model.state_dict().items()}
     ckpt = os.path.join(out, f"ckpt_{fmt}_{release}_{full}")
-    if full:
-        if rank == 0:
-            torch.save(osd, ckpt)
-        dist.barrier()
-    else:
-        dcp.save({"optim": osd}, checkpoint_id=ckpt)
+    w.save_optimizer(model, opt, ckpt, full, rank)
     if release:
         opt._release.remove_hooks()
 
@@ -151,14 +139,7 @@ def _resume(world, rank, out, fmt, release, full, data):
         model2 = _sharded(world)
         model2.load_state_dict(msd)
         opt2 = _opt(model2, fmt, offload, release)
-        if full:
-            osd2 = torch.load(ckpt, weights_only=True) if rank == 0 else {}
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_optimizer_state_dict(model2, opt2, osd2, options=options)
-        else:
-            target = {"optim": get_optimizer_state_dict(model2, opt2)}
-            dcp.load(target, checkpoint_id=ckpt)
-            set_optimizer_state_dict(model2, opt2, target["optim"])
+        w.load_optimizer(model2, opt2, ckpt, full, rank)
         on_host = all(
             dt_local.device.type == "cpu"
             for e in opt2.state.values()

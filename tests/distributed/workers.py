@@ -121,6 +121,40 @@ def gathered_params(model):
     return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
 
 
+def save_optimizer(model, opt, path: str, full: bool, rank: int) -> None:
+    """Checkpoint ``opt`` at ``path``: its full state dict gathered to rank 0 and written there (``full``), or its
+    sharded state dict through ``torch.distributed.checkpoint``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    if full:
+        if rank == 0:
+            torch.save(osd, path)
+        dist.barrier()
+    else:
+        dcp.save({"optim": osd}, checkpoint_id=path)
+
+
+def load_optimizer(model, opt, path: str, full: bool, rank: int) -> None:
+    """Load into ``opt`` what :func:`save_optimizer` wrote at ``path`` (the full state dict from rank 0, broadcast)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if full:
+        osd = torch.load(path, weights_only=True) if rank == 0 else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_optimizer_state_dict(model, opt, osd, options=options)
+    else:
+        target = {"optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(target, checkpoint_id=path)
+        set_optimizer_state_dict(model, opt, target["optim"])
+
+
 def save_result(out_dir, rank, obj):
     torch.save(obj, os.path.join(out_dir, f"rank{rank}.pt"))
 
