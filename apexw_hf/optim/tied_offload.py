@@ -17,10 +17,11 @@ commutative, so the sum has the bits autograd's own sum of the two parts has, an
 If the weight gets no other gradient in a backward pass, the part alone is its gradient: autograd completes the
 weight's gradient right after that node (nothing is saved then), or the end of the pass applies it.
 
-With ``state_offload`` as well, both copies go on the state offload's copy streams, in chunks beside the state's
-pieces (:meth:`~apexw_hf.optim.offload.StateOffload.side_copy`) instead of whole on a stream of their own: a copy
-engine runs one direction's copies in the order they were queued, and the part's copies queued whole held the
-pieces' copies behind them.
+With ``state_offload`` as well, both copies go on the state offload's copy streams
+(:meth:`~apexw_hf.optim.offload.StateOffload.side_copy`) instead of a stream of their own: the copy out whole (its GPU
+memory is freed only when all of it is out), the copy back in chunks beside the state's pieces' copies in. A copy
+engine runs one direction's copies in the order they were queued, so the part's copy back queued whole held the
+pieces' copies behind it.
 
 Only parameters registered under two names of the model (``named_parameters(remove_duplicate=False)``) are offloaded,
 and only contiguous CUDA gradients of plain tensors (not FSDP2's DTensor shards). The search needs the loss and the
