@@ -213,6 +213,19 @@ def quant_m(m, mask, bits, one):
 
 
 @triton.jit
+def _envelope_scale(v, mask, prev, beta2, headroom: tl.constexpr):
+    """``reference._envelope_scale``: :func:`v8_scale` and :func:`v4_scale`, whose restarts put the scale at
+    ``headroom`` times the absmax."""
+    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
+    a = amax.to(tl.float32, bitcast=True)
+    env = prev * beta2
+    s = tl.where(a <= env, env, a * headroom)
+    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, f32_bits(s))
+    s = sbits.to(tl.float32, bitcast=True)
+    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+
+
+@triton.jit
 def v8_scale(v, mask, prev, beta2):
     """``reference.v8_scale`` of the rows of ``v >= 0`` [R, B] (NaN allowed): (fp32 scale bits [R], fp32 reciprocal
     [R]). ``prev``: the fp32 scales stored before this step [R]; ``beta2``: the step's fp32 beta2.
@@ -221,13 +234,7 @@ def v8_scale(v, mask, prev, beta2):
     ``prev * beta2`` is kept while the absmax is at or below it, else the scale restarts at twice the absmax. The
     reciprocal of a zero scale is inf (see :func:`block_scale`).
     """
-    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
-    a = amax.to(tl.float32, bitcast=True)
-    env = prev * beta2
-    s = tl.where(a <= env, env, a * V8_HEADROOM)
-    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, f32_bits(s))
-    s = sbits.to(tl.float32, bitcast=True)
-    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return _envelope_scale(v, mask, prev, beta2, V8_HEADROOM)
 
 
 @triton.jit
@@ -310,13 +317,7 @@ def dequant_mv4_words(w, m_scale, v_scale):
 @triton.jit
 def v4_scale(v, mask, prev, beta2):
     """``reference.v4_scale`` of the rows of ``v >= 0`` [R, B]: :func:`v8_scale` with 4x headroom."""
-    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
-    a = amax.to(tl.float32, bitcast=True)
-    env = prev * beta2
-    s = tl.where(a <= env, env, a * V4_HEADROOM)
-    sbits = tl.where(amax > 0x7F800000, CANONICAL_NAN_F32, f32_bits(s))
-    s = sbits.to(tl.float32, bitcast=True)
-    return sbits, tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    return _envelope_scale(v, mask, prev, beta2, V4_HEADROOM)
 
 
 @triton.jit
