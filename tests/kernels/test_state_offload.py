@@ -213,15 +213,16 @@ def test_errors_name_what_is_wrong(monkeypatch):
 
 
 def test_piece_size_follows_the_state_unless_given():
-    """By default a piece is 1/48 of the whole state within [64, 96] MiB, in three device buffers, or four where the
-    cap binds; offload_piece_mib sets the piece (three buffers); a bad value, or the option without state_offload, is
+    """By default a piece is 1/48 of the whole state within [64, 96] MiB, in three device buffers, or four where it is
+    over 1.5 times the cap (8B shapes); offload_piece_mib sets the piece (three buffers); a bad value, or the option without state_offload, is
     refused naming what is allowed."""
     mib = 2**20
     layout = offload_mod.default_layout
     assert layout(0) == (64 * mib, 3)
     assert layout(48 * 80 * mib) == (80 * mib, 3)
     assert layout(10**12) == (96 * mib, 4)
-    assert [layout(48 * n * mib)[1] for n in (1, 80, 96, 97)] == [3, 3, 3, 4]
+    assert [layout(48 * n * mib)[1] for n in (1, 80, 96, 97, 144, 145)] == [3, 3, 3, 3, 3, 4]
+    assert layout(6_500_000_000) == (96 * mib, 3)  # a 3B model's 8-bit state: 3 x 96 MiB
     assert layout(16 * 2**30) == (96 * mib, 4)  # an 8B model's 8-bit state: 4 x 96 MiB
     model = make().to(DEVICE)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
@@ -229,11 +230,11 @@ def test_piece_size_follows_the_state_unless_given():
     assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (64 * mib, 3)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True, offload_piece_mib=3)
     assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (3 * mib, 3)
-    with pytest.MonkeyPatch.context() as mp:  # bounds the fp32 state of the tiny model (31 KB) exceeds 48 times over
-        mp.setattr(offload_mod, "MIN_PIECE_BYTES", 256)
-        mp.setattr(offload_mod, "PIECE_BYTES", 512)
+    with pytest.MonkeyPatch.context() as mp:  # bounds the fp32 state of the tiny model (31 KB) exceeds 48 x 1.5 times
+        mp.setattr(offload_mod, "MIN_PIECE_BYTES", 128)
+        mp.setattr(offload_mod, "PIECE_BYTES", 256)
         opt = ApexW(model.parameters(), engine="triton", state_format="fp32", state_offload=True)
-        assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (512, 4)
+        assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (256, 4)
     for bad in (0, True, 1.5, "8"):
         with pytest.raises(ValueError, match=r"offload_piece_mib must be an int >= 1 \(MiB\) or None"):
             ApexW(model.parameters(), engine="triton", state_offload=True, offload_piece_mib=bad)
