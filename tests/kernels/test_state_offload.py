@@ -214,8 +214,8 @@ def test_errors_name_what_is_wrong(monkeypatch):
 
 def test_piece_size_follows_the_state_unless_given():
     """By default a piece is 1/48 of the whole state within [64, 96] MiB, in three device buffers, or four where it is
-    over 1.5 times the cap (8B shapes); offload_piece_mib sets the piece (three buffers); a bad value, or the option without state_offload, is
-    refused naming what is allowed."""
+    over 1.5 times the cap (8B shapes); offload_piece_mib sets the piece (three buffers); a bad value, or the option
+    without state_offload, is refused naming what is allowed."""
     mib = 2**20
     layout = offload_mod.default_layout
     assert layout(0) == (64 * mib, 3)
