@@ -549,6 +549,47 @@ def test_4bit_rounding_thresholds(moment):
     assert codes.unique().numel() > 14  # the thresholds do decide
 
 
+def _v4_up(q: int, r: int) -> bool:
+    """``reference.v4_code``'s rounding decision at position ``q`` with the random value ``r``, in Python integers."""
+    a, big_q = ref.V4_ROUND_A, ref.V4_Q
+    return (2 * r + 1) * (9 << (52 - ref.V4V3_RAND_BITS)) < q * (a * big_q - (a - 128) * q)
+
+
+def test_4bit_v_threshold_edges_of_the_32_bit_words():
+    """The kernel compares ``q * t`` (below 2**57) with the random side in 32-bit words: ``t`` above or below 2**32
+    (``109 q <= 199 * 2**23``: q = 15314982), and a product that equals the random side exactly (q = 3 * 2**18, r =
+    3737: rounds down, the reference's comparison being strict) or exceeds it by less than 2**32 (equal high words),
+    with the random values either side of the decision, in several code intervals."""
+    qb = 199 * 2**23 // 109
+    cases = [(3 * 2**18, r) for r in (3736, 3737, 3738)]
+    assert 3 * 2**18 * (237 * 3 * 2**23 - 109 * 3 * 2**18) == (2 * 3737 + 1) * 9 * 2**36  # the exact tie
+    for q in range(qb - 3, qb + 4):
+        n = next(r for r in range(1 << 16) if not _v4_up(q, r))  # r below n rounds up
+        cases += [(q, r) for r in (n - 2, n - 1, n, n + 1)]
+    # products less than 2**32 above the random side: the high words are equal, the low word decides
+    close = []
+    for q in range(5 << 20, 16 << 20, 9973):
+        p = q * (ref.V4_ROUND_A * ref.V4_Q - (ref.V4_ROUND_A - 128) * q)
+        r = (p // (9 << 36) - 1) // 2  # the largest r with (2 r + 1) * 9 * 2**36 <= p
+        if 0 <= r < 1 << 16 and 0 < p - (2 * r + 1) * (9 << 36) < 2**32:
+            close += [(q, r), (q, r + 1)]
+    assert len(close) >= 8
+    cases += close
+    assert {_v4_up(q, r) for q, r in cases} == {True, False}
+    ys, ws = [], []
+    for k in (0, 7, 13):
+        for q, r in cases:
+            y = _v4_of_q(k, q)
+            if y is not None:
+                ys.append(y)
+                ws.append(r << ref.V4V3_RAND_SHIFT)
+    y = torch.tensor(ys, dtype=torch.float32)
+    x = _blocks4_led_by_one(y, signs=False)
+    w = torch.tensor(ws, dtype=torch.int64)
+    bits = torch.cat([torch.cat([torch.zeros(1, dtype=torch.int64), b]) for b in w.split(127)])
+    _check_encode4(*_both("v", x), bits)
+
+
 def test_4bit_v_rounding_probability():
     """Over all 2**16 random values, ``v`` in a code's interval rounds up with probability ``A u + (1 - A) u**2`` to
     within 2**-16 (``reference.v4_code``), at both binades of the interval."""

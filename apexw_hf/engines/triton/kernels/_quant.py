@@ -25,10 +25,11 @@ fp32: ``m``'s the exact absmax (canonical NaN), ``v``'s the envelope of ``refere
 holds two 4-bit blocks). ``m`` is encoded on ``y * 2**-120`` (bias 7: its subnormal boundary 2**-6 lands on fp32's
 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 * 2**120); with no mantissa bits its code is
 the fp32 exponent field of that product once the random offset (the word's bits 0-7) is added. The ``v`` code is
-``reference.v4_code``'s integer work as it is: the threshold comparison in int64, no floating-point operation, so
-nothing that contraction into a fused multiply-add could change. Decoding: the ``m`` code goes through fp16 as for 8
-bits (the fp16 exponent field with bias 15, moved to bias 7 by an exact fp16 multiplication by 256, two codes at a
-time); the ``v`` code ``c`` is the fp32 with bits ``(c << 24) + (97 << 23)``, zero for code 0.
+``reference.v4_code``'s integer comparison, exactly, in 32-bit operations (:func:`v4_code`): no floating-point
+operation, so nothing that contraction into a fused multiply-add could change. Decoding: the ``m`` code goes through
+fp16 as for 8 bits (the fp16 exponent field with bias 15, moved to bias 7 by an exact fp16 multiplication by 256, two
+codes at a time); the ``v`` code ``c`` is the fp32 with bits ``c << 24`` (``2**(2 c - 127)``, zero for code 0) times
+2**97.
 """
 
 import triton
@@ -54,14 +55,13 @@ TWO_POW_M120 = tl.constexpr(2.0**-120)
 W4_SHIFT = tl.constexpr(20)
 M4_RAND_MASK, M4_HALF = tl.constexpr(0xFF << 20), tl.constexpr(1 << 19)
 CANONICAL_NAN_F32 = tl.constexpr(0x7FC00000)
-# 4-bit v (reference.v4_code): 16 random bits from bit 8 of the word; the threshold's integers; the fp32 exponent field
-# of the least code's value (2**-28), and the bits of code c's value, (c << 24) + V4_VAL_OFF
+# 4-bit v (reference.v4_code): 16 random bits from bit 8 of the word; the threshold's integers in 32-bit words
+# (237 * 3 * 2**23 = 2**32 + V4_AQ_LO, 9 * 2**36 = V4_UNIT_HI * 2**32); (e - 99) // 2 + 1 for the exponent field e
+# is (bits - V4_CODE_OFF) >> 24; the fp32 with bits c << 24, times TWO_POW_97, is code c's value
 V4_RAND_SHIFT, V4_RAND_MASK = tl.constexpr(8), tl.constexpr(0xFFFF)
-V4_UNIT = tl.constexpr(9 << 36)
-V4_AQ, V4_A1 = tl.constexpr(237 * (3 << 23)), tl.constexpr(237 - 128)
-V4_EXP_MIN = tl.constexpr(99)
-V4_LEAST_BITS = tl.constexpr(99 << 23)
-V4_VAL_OFF = tl.constexpr(97 << 23)
+V4_AQ_LO, V4_A1, V4_UNIT_HI = tl.constexpr(237 * 3 * 2**23 - 2**32), tl.constexpr(237 - 128), tl.constexpr(9 << 4)
+V4_CODE_OFF = tl.constexpr((49 << 24) - (1 << 23))
+TWO_POW_97 = tl.constexpr(2.0**97)
 V4_HEADROOM = tl.constexpr(4.0)
 
 
@@ -274,8 +274,9 @@ def _by_block4(x, s):
 @triton.jit
 def _v4_values(hi):
     """fp32 values of 4-bit ``v`` codes held at bits 24-27 of uint32 ``hi`` (the rest zero): ``2**(2 c - 30)``, 0 for
-    code 0 (``reference.v4_value``)."""
-    return tl.where(hi > 0, hi + V4_VAL_OFF, 0).to(tl.float32, bitcast=True)
+    code 0 (``reference.v4_value``). As bits, ``hi`` is the fp32 with exponent field ``2 c`` and no mantissa, ``2**(2 c
+    - 127)``, and zero for code 0; one exact multiplication by 2**97 moves it to the code's value."""
+    return hi.to(tl.float32, bitcast=True) * TWO_POW_97
 
 
 @triton.jit
@@ -322,16 +323,26 @@ def v4_scale(v, mask, prev, beta2):
 
 @triton.jit
 def v4_code(y, bits):
-    """``reference.v4_code`` of fp32 ``y`` in [0, 1] with the random words ``bits`` (uint32): integer work only, the
-    rounding threshold compared in int64; 0 below 2**-28."""
+    """``reference.v4_code`` of fp32 ``y`` in [0, 1] with the random words ``bits`` (uint32) where ``y >= 2**-28``;
+    below it an int32 of at most 1 (:func:`quant_mv4` takes the maximum with ``v > 0``, which is the reference's code
+    there). Integer work only, in 32-bit operations.
+
+    The reference rounds up iff ``(2 r + 1) * 9 * 2**36 < q * t`` with ``t = 237 * 3 * 2**23 - 109 q`` (below 2**33)
+    and ``q < 2**24``. Here ``t = t_hi * 2**32 + t_lo`` (``t_lo`` the wrapped uint32 difference, ``t_hi`` one iff
+    ``109 q <= 199 * 2**23``), so the high word of ``q * t + 2**32 - 1`` is that of the 64-bit ``q * t_lo + 2**32 -
+    1`` (one wide multiply-add) plus ``t_hi * q``; the left side is ``M * 2**32`` with ``M = 144 (2 r + 1)``, and it
+    is below ``q * t`` iff that high word exceeds ``M``: the same comparison, exactly.
+    """
     b = f32_bits(y)
-    d = (b >> 23).to(tl.int32) - V4_EXP_MIN
-    odd = (d & 1).to(tl.uint32)
-    q = ((odd << 23) + ((b & 0x7FFFFF) << odd)).to(tl.int64)
-    r = ((bits >> V4_RAND_SHIFT) & V4_RAND_MASK).to(tl.int64)
-    up = ((2 * r + 1) * V4_UNIT) < q * (V4_AQ - V4_A1 * q)
-    c = (d >> 1) + 1 + up.to(tl.int32)
-    return tl.where(b >= V4_LEAST_BITS, c, 0).to(tl.uint32)
+    odd = ((b >> 23) & 1) ^ 1  # (e - 99) & 1 for the exponent field e
+    q = (odd << 23) + ((b & 0x7FFFFF) << odd)
+    r = (bits >> V4_RAND_SHIFT) & V4_RAND_MASK
+    aq = q * V4_A1
+    t_lo = V4_AQ_LO - aq
+    w = q.to(tl.uint64) * t_lo.to(tl.uint64) + 0xFFFFFFFF
+    hi = (w >> 32).to(tl.uint32) + tl.where(aq <= V4_AQ_LO, q, 0)
+    up = hi > r * (2 * V4_UNIT_HI) + V4_UNIT_HI
+    return ((b.to(tl.int32) - V4_CODE_OFF) >> 24) + up.to(tl.int32)  # (e - 99) // 2 + 1, + up
 
 
 @triton.jit
@@ -355,8 +366,7 @@ def quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
-    cv = v4_code(yv, bits)
-    cv = tl.where(v > after(vinv), tl.maximum(cv, 1), cv)
+    cv = tl.maximum(v4_code(yv, bits), (v > after(vinv)).to(tl.int32)).to(tl.uint32)
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)
     return tl.reshape(x.to(tl.uint8), (R, 256)), msb, vsb
