@@ -556,19 +556,20 @@ def _v4_up(q: int, r: int) -> bool:
 
 
 def test_4bit_v_threshold_edges_of_the_32_bit_words():
-    """The kernel compares ``q * t`` (below 2**57) with the random side in 32-bit words: ``t`` above or below 2**32
-    (``109 q <= 199 * 2**23``: q = 15314982), and a product that equals the random side exactly (q = 3 * 2**18, r =
-    3737: rounds down, the reference's comparison being strict) or exceeds it by less than 2**32 (equal high words),
-    with the random values either side of the decision, in several code intervals."""
+    """The kernel compares ``q * t`` (below 2**58) with the random side in 32-bit words: ``t - 2**32`` either sign
+    (it changes at q = 15314982), positions up to the interval's top (3 * 2**23), a product that equals the random
+    side exactly (q = 3 * 2**18, r = 3737: rounds down, the reference's comparison being strict) or exceeds it by less
+    than 2**32 (equal high words), each with the random values either side of the decision, in several code
+    intervals."""
     qb = 199 * 2**23 // 109
     cases = [(3 * 2**18, r) for r in (3736, 3737, 3738)]
     assert 3 * 2**18 * (237 * 3 * 2**23 - 109 * 3 * 2**18) == (2 * 3737 + 1) * 9 * 2**36  # the exact tie
-    for q in range(qb - 3, qb + 4):
-        n = next(r for r in range(1 << 16) if not _v4_up(q, r))  # r below n rounds up
-        cases += [(q, r) for r in (n - 2, n - 1, n, n + 1)]
+    for q in [*range(qb - 3, qb + 4), 3 * 2**23 - 2, 3 * 2**23 - 1]:
+        n = next((r for r in range(1 << 16) if not _v4_up(q, r)), 1 << 16)  # r < n rounds up
+        cases += [(q, r) for r in (n - 2, n - 1, n, n + 1) if r < 1 << 16]
     # products less than 2**32 above the random side: the high words are equal, the low word decides
     close = []
-    for q in range(5 << 20, 16 << 20, 9973):
+    for q in range(5 << 20, 24 << 20, 9973):
         p = q * (ref.V4_ROUND_A * ref.V4_Q - (ref.V4_ROUND_A - 128) * q)
         r = (p // (9 << 36) - 1) // 2  # the largest r with (2 r + 1) * 9 * 2**36 <= p
         if 0 <= r < 1 << 16 and 0 < p - (2 * r + 1) * (9 << 36) < 2**32:

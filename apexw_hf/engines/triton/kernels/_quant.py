@@ -325,24 +325,24 @@ def v4_scale(v, mask, prev, beta2):
 def v4_code(y, bits):
     """``reference.v4_code`` of fp32 ``y`` in [0, 1] with the random words ``bits`` (uint32) where ``y >= 2**-28``;
     below it an int32 of at most 1 (:func:`quant_mv4` takes the maximum with ``v > 0``, which is the reference's code
-    there). Integer work only, in 32-bit operations.
+    there). Integer work only, in 32-bit words.
 
-    The reference rounds up iff ``(2 r + 1) * 9 * 2**36 < q * t`` with ``t = 237 * 3 * 2**23 - 109 q`` (below 2**33)
-    and ``q < 2**24``. Here ``t = t_hi * 2**32 + t_lo`` (``t_lo`` the wrapped uint32 difference, ``t_hi`` one iff
-    ``109 q <= 199 * 2**23``), so the high word of ``q * t + 2**32 - 1`` is that of the 64-bit ``q * t_lo + 2**32 -
-    1`` (one wide multiply-add) plus ``t_hi * q``; the left side is ``M * 2**32`` with ``M = 144 (2 r + 1)``, and it
-    is below ``q * t`` iff that high word exceeds ``M``: the same comparison, exactly.
+    The reference rounds up iff ``(2 r + 1) * 9 * 2**36 < q * t`` with ``t = 237 * 3 * 2**23 - 109 q`` and ``q < 3 *
+    2**23`` (``q * t`` below 2**58). With ``t = 2**32 + t_s``, ``t_s`` an int32, ``q * t + 2**32 - 1`` is ``q * t_s``
+    plus the 64-bit word ``q << 32 | 0xFFFFFFFF``: one wide multiply-add. The left side is ``M * 2**32`` with ``M =
+    144 (2 r + 1)``, below ``q * t`` iff the high word of that sum exceeds ``M``: the same comparison, exactly. The
+    lower code is ``(e - 99) // 2 + 1`` for the exponent field ``e``, the bits minus V4_CODE_OFF shifted right by 24;
+    rounding up adds 1 << 24 before the shift.
     """
     b = f32_bits(y)
-    odd = ((b >> 23) & 1) ^ 1  # (e - 99) & 1 for the exponent field e
-    q = (odd << 23) + ((b & 0x7FFFFF) << odd)
-    r = (bits >> V4_RAND_SHIFT) & V4_RAND_MASK
-    aq = q * V4_A1
-    t_lo = V4_AQ_LO - aq
-    w = q.to(tl.uint64) * t_lo.to(tl.uint64) + 0xFFFFFFFF
-    hi = (w >> 32).to(tl.uint32) + tl.where(aq <= V4_AQ_LO, q, 0)
-    up = hi > r * (2 * V4_UNIT_HI) + V4_UNIT_HI
-    return ((b.to(tl.int32) - V4_CODE_OFF) >> 24) + up.to(tl.int32)  # (e - 99) // 2 + 1, + up
+    z = b & 0xFFFFFF  # bit 23: e & 1; below it the mantissa
+    q = tl.where(z >= 0x800000, z - 0x800000, 2 * z + 0x800000).to(tl.int32)  # the mantissa, or 2**23 + 2 x it
+    r = ((bits >> V4_RAND_SHIFT) & V4_RAND_MASK).to(tl.int32)
+    t_s = V4_AQ_LO - q * V4_A1
+    q64 = q.to(tl.int64)
+    w = q64 * t_s.to(tl.int64) + ((q64 << 32) | 0xFFFFFFFF)
+    up = (w >> 32).to(tl.int32) > r * (2 * V4_UNIT_HI) + V4_UNIT_HI
+    return (b.to(tl.int32) + tl.where(up, 1 << 24, 0) - V4_CODE_OFF) >> 24
 
 
 @triton.jit
