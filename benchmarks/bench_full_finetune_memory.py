@@ -431,6 +431,13 @@ TIMED_CALLS = (
     "apexw_hf.optim.offload:StateOffload._stage",
     "apexw_hf.optim.offload:StateOffload._done",
     "apexw_hf.optim.offload:StateOffload._copy_in",
+    "apexw_hf.optim.offload:StateOffload._prefetch",
+    "apexw_hf.optim.offload:StateOffload._copies",
+    "apexw_hf.optim.offload:StateOffload._ready_events",
+    "apexw_hf.optim.offload:StateOffload._drop_overlaps",
+    "apexw_hf.optim.offload:StateOffload._pump",
+    "apexw_hf.optim.offload:StateOffload.host_state",
+    "apexw_hf.optim.offload:StateOffload._cut",
 )
 
 
