@@ -261,6 +261,7 @@ def run_one(cell: str, shape: str, args) -> dict:
 
     snapshot = {}
     call_totals = install_call_timers() if args.time_calls else None
+    host_profile = install_host_profile() if args.host_profile else None
     call_marks = []
 
     # the forward pass's GPU time per step (CUDA events at the model's outermost forward; the recomputation of
@@ -282,6 +283,8 @@ def run_one(cell: str, shape: str, args) -> dict:
 
     class Probe(TrainerCallback):
         def on_step_begin(self, a, state, control, **k):
+            if host_profile is not None and state.global_step == args.warmup:
+                host_profile["on"] = True
             if args.snapshot and args.snapshot_from == "step" and state.global_step == args.warmup:
                 torch.cuda.synchronize()
                 snapshot["baseline"] = torch.cuda.memory_allocated()
@@ -356,6 +359,8 @@ def run_one(cell: str, shape: str, args) -> dict:
         calls = {"host_calls_per_step": {k: {"calls": (last[k][0] - first[k][0]) / n,
                                             "ms": round(1e3 * (last[k][1] - first[k][1]) / n, 3)} for k in last}}
     name = run_name(shape, cell, args.tag)
+    if host_profile is not None:
+        _write_host_profile(host_profile["prof"], Path(args.out) / f"{name}.host_profile.txt", len(steps))
     profile_file = None
     if prof is not None:
         prof.stop()
@@ -466,6 +471,40 @@ def install_call_timers() -> dict[str, list]:
 
         setattr(owner, attr, functools.wraps(fn)(timed))
     return totals
+
+
+def install_host_profile() -> dict:
+    """--host-profile: a cProfile of gradient release's ``on_grad_ready`` (backward's hooks, on autograd's thread,
+    where a profiler enabled on the main thread does not look), enabled inside each call once ``["on"]`` is set."""
+    import cProfile
+
+    from apexw_hf.optim import release
+
+    fn = release.GradientRelease.on_grad_ready
+    state = {"on": False, "prof": cProfile.Profile()}
+
+    def profiled(*a, **k):
+        if not state["on"]:
+            return fn(*a, **k)
+        state["prof"].enable()
+        try:
+            return fn(*a, **k)
+        finally:
+            state["prof"].disable()
+
+    release.GradientRelease.on_grad_ready = profiled
+    return state
+
+
+def _write_host_profile(prof, path: Path, steps: int) -> None:
+    """The profiled calls' functions by their own time, per step (cProfile's overhead included)."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+    head = f"cProfile of GradientRelease.on_grad_ready over {steps} steps after the warm-up"
+    path.write_text(f"{head}\n{buf.getvalue()}")
 
 
 def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
@@ -605,6 +644,9 @@ def main() -> None:
                     help="record the allocator's history over the first step after the warm-up: <run>.peak.txt")
     ap.add_argument("--snapshot-from", choices=("step", "build"), default="step",
                     help="with --snapshot: start recording at that step (default) or once the model is built")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="a cProfile of the release hooks (autograd's thread) after the warm-up: "
+                    "<run>.host_profile.txt")
     ap.add_argument("--run", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.profile < 0:
@@ -613,6 +655,8 @@ def main() -> None:
         ap.error(f"--tag must be letters, digits, '-', '_' or '.', got {args.tag!r}")
     if args.step_sync == "device" and not args.tag:
         ap.error("--step-sync device changes what s/step measures: name the variant with --tag")
+    if args.host_profile and (args.time_calls or not args.tag):
+        ap.error("--host-profile slows the hooks it profiles: name the variant with --tag, without --time-calls")
     if args.optim_args and not args.tag:
         ap.error("--optim-args changes what a cell measures: name the variant with --tag")
     out = Path(args.out)
@@ -631,6 +675,7 @@ def main() -> None:
                    "--step-sync", args.step_sync]
             cmd += ["--snapshot", "--snapshot-from", args.snapshot_from] if args.snapshot else []
             cmd += ["--time-calls"] if args.time_calls else []
+            cmd += ["--host-profile"] if args.host_profile else []
             t0 = time.time()
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -2,7 +2,8 @@
 
 What state offload can move per second at best (its copies are pinned, non-blocking, on two side streams). Median
 of ``--repeats`` copies of ``--gib`` GiB each, timed with CUDA events; both-at-once runs one copy each way on two
-streams and reports each direction's rate over the pair's wall time.
+streams and reports each direction's rate over the pair's wall time. Also the host's time per CUDA call that the
+offload makes per piece (events, stream switches, small copies), which varies between hosts as the link does not.
 
     python3 benchmarks/bench_host_link.py --gib 1 --repeats 7 --out runs/host_link.json
 """
@@ -32,6 +33,59 @@ def _timed(fn, repeats: int) -> float:
         if i:
             out.append(start.elapsed_time(end) / 1e3)
     return statistics.median(out)
+
+
+def host_calls_us(n: int = 2000) -> dict[str, float]:
+    """Host microseconds of each CUDA call a piece of state offload makes (median of five rounds of ``n`` calls): what
+    the link's copies cost the host that queues them, beside what they take on the link."""
+    import time
+
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    host = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    hs, ds = [host[i << 20 : (i + 1) << 20] for i in range(64)], [dev[i << 20 : (i + 1) << 20] for i in range(64)]
+    event = torch.cuda.Event()
+    event.record()
+    state = {"i": 0}
+
+    def stream_context():
+        with torch.cuda.stream(s1):
+            pass
+
+    def copy(direction):
+        def run():
+            state["i"] = i = (state["i"] + 1) % 64
+            with torch.cuda.stream(s1 if direction == "in" else s2):
+                if direction == "in":
+                    ds[i].copy_(hs[i], non_blocking=True)
+                else:
+                    hs[i].copy_(ds[i], non_blocking=True)
+        return run
+
+    calls = {
+        "torch.cuda.Event()": torch.cuda.Event,
+        "Event() and record": lambda: torch.cuda.Event().record(s1),
+        "record of an existing event": lambda: event.record(s1),
+        "stream.wait_event": lambda: s2.wait_event(event),
+        "torch.cuda.current_stream()": torch.cuda.current_stream,
+        "with torch.cuda.stream(s)": stream_context,
+        "stream context + 1 MiB copy in": copy("in"),
+        "stream context + 1 MiB copy out": copy("out"),
+    }
+    out = {}
+    for name, fn in calls.items():
+        rounds = []
+        for _ in range(5):
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            rounds.append((time.perf_counter() - t0) / n * 1e6)
+            torch.cuda.synchronize()
+        out[name] = round(statistics.median(rounds), 2)
+    return out
 
 
 def measure(gib: float, repeats: int) -> dict:
@@ -68,6 +122,7 @@ def measure(gib: float, repeats: int) -> dict:
         "h2d_gb_s": n / h2d / 1e9,
         "d2h_gb_s": n / d2h / 1e9,
         "both_each_gb_s": n / pair / 1e9,
+        "host_calls_us": host_calls_us(),
     }
 
 
@@ -83,6 +138,8 @@ def main(argv=None) -> int:
     row = measure(args.gib, args.repeats)
     print(f"{row['gpu']}: host->device {row['h2d_gb_s']:.1f} GB/s, device->host {row['d2h_gb_s']:.1f} GB/s, "
           f"both at once {row['both_each_gb_s']:.1f} GB/s each way")
+    for name, us in row["host_calls_us"].items():
+        print(f"  host time of {name:34} {us:6.2f} us")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(row, indent=1) + "\n")
