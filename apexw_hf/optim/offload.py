@@ -170,6 +170,33 @@ class SideCopy:
         return not self.chunks
 
 
+class _On:
+    """``with _On(stream, back):`` runs the block with ``stream`` current, as ``torch.cuda.stream(stream)`` does, and
+    then makes ``back`` current. ``back``: the current stream, known to be on the current device (the stager looked it
+    up), so two ``torch.cuda.set_stream`` calls do it; None: ``torch.cuda.stream``, which looks both up (several
+    microseconds of host time, and a piece switches streams two to four times). ``already``: ``stream`` is current."""
+
+    __slots__ = ("stream", "back", "ctx")
+
+    def __init__(self, stream, back, already: bool = False):
+        self.stream, self.back = stream, back
+        self.ctx = None if already or back is not None else torch.cuda.stream(stream)
+        if already:
+            self.stream = None
+
+    def __enter__(self):
+        if self.ctx is not None:
+            self.ctx.__enter__()
+        elif self.stream is not None:
+            torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc):
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+        elif self.stream is not None:
+            torch.cuda.set_stream(self.back)
+
+
 class _Slot:
     """One device buffer and what it holds: the piece ``key`` whose state is there (None: nothing usable), and the
     events of its last copy in and copy out."""
@@ -201,12 +228,15 @@ class StateOffload:
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self.device: torch.device | None = None
         self._h2d = self._d2h = None  # side streams (CUDA)
+        # the stream the launches run on, looked up once per launch plan by its stager (a lookup is several
+        # microseconds of host time, and a piece made several), None outside a stager
+        self._compute = None
         self._order: list[tuple[_Piece, dict]] = []  # the last finished step's pieces and their groups, in order
         self._now: list[tuple[_Piece, dict]] = []  # this step's so far
         self._launched: set[_Piece] = set()  # this step's pieces (by identity)
         self._cuts: dict[tuple, tuple[object, list[_Piece]]] = {}  # (launch key, plan index) -> (plan, its pieces)
-        # id(param) -> {(key, first unit, end unit): event after that range's last copy out} (CUDA)
-        self._host_ready: dict[int, dict[tuple, object]] = {}
+        # (id(param), key) -> {(first unit, end unit): event after that range's last copy out} (CUDA)
+        self._host_ready: dict[tuple[int, str], dict[tuple[int, int], object]] = {}
         self._blocks: list[torch.Tensor] = []  # the host memory the state tensors are views of (uint8)
         self._filling: int | None = None  # the block new state is taken from, and its first free byte
         self._free = 0
@@ -316,18 +346,24 @@ class StateOffload:
 
         def stage(plan, params: list[torch.Tensor], index: int):
             self._bind(params[0].device)
-            for piece in self._cut(plan, params, (key, index)):
-                i = self._stage(group, piece)
-                slot = self.slots[i]
-                base = slot.buffer.data_ptr()
-                table = piece.tables.get(i)
-                if table is None or table[0] != base:
-                    bases: list[dict[str, int]] = [{} for _ in range(piece.tensors)]
-                    for j, _, k, u0, _, b, off in piece.ranges:
-                        bases[j][k] = base + off - u0 * b  # the address of unit 0: the piece's units land in the slot
-                    table = piece.tables[i] = (base, plan.state_table(bases))
-                yield piece.programs, table[1]
-                self._done(slot, piece)
+            self._compute = None
+            if self._h2d is not None and torch.cuda.current_device() == self.device.index:
+                self._compute = torch.cuda.current_stream(self.device)
+            try:
+                for piece in self._cut(plan, params, (key, index)):
+                    i = self._stage(group, piece)
+                    slot = self.slots[i]
+                    base = slot.buffer.data_ptr()
+                    table = piece.tables.get(i)
+                    if table is None or table[0] != base:
+                        bases: list[dict[str, int]] = [{} for _ in range(piece.tensors)]
+                        for j, _, k, u0, _, b, off in piece.ranges:
+                            bases[j][k] = base + off - u0 * b  # unit 0's address: the piece's units land in the slot
+                        table = piece.tables[i] = (base, plan.state_table(bases))
+                    yield piece.programs, table[1]
+                    self._done(slot, piece)
+            finally:
+                self._compute = None
 
         return stage
 
@@ -388,10 +424,14 @@ class StateOffload:
         slot = self.slots[index]
         self._drop_overlaps(index, piece)
         if slot.copied_in is not None:  # (the copy in itself waited for the slot's last copy out)
-            torch.cuda.current_stream(self.device).wait_event(slot.copied_in)
+            self._current().wait_event(slot.copied_in)
         elif slot.copied_out is not None:  # resident: the launch must not write while its last copy out reads
-            torch.cuda.current_stream(self.device).wait_event(slot.copied_out)
+            self._current().wait_event(slot.copied_out)
         return index
+
+    def _current(self):
+        """The stream the launches run on: the one the running stager looked up, else the current stream."""
+        return self._compute if self._compute is not None else torch.cuda.current_stream(self.device)
 
     def _done(self, slot: _Slot, piece: _Piece) -> None:
         """After the launch that updated ``slot``: copy it back to the host copies (on the copy-out stream, once the
@@ -402,16 +442,16 @@ class StateOffload:
                 dst.copy_(src)
         else:
             launched = torch.cuda.Event()
-            launched.record(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
+            launched.record(self._current())
+            with _On(self._d2h, self._compute):
                 self._d2h.wait_event(launched)
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
                 out = slot.copied_out = torch.cuda.Event()
                 out.record(self._d2h)
-                self._pump("out", SIDE_RATIO["out"] * piece.size)
+                self._pump("out", SIDE_RATIO["out"] * piece.size, current=self._d2h)
             for _, p, k, u0, u1, _, _ in piece.ranges:
-                self._host_ready.setdefault(id(p), {})[(k, u0, u1)] = out
+                self._host_ready.setdefault((id(p), k), {})[(u0, u1)] = out
         slot.copied_in = None  # the slot holds the updated state: it stays valid until overwritten
         self.bytes_out += piece.size
         self._prefetch(len(self._now))
@@ -463,8 +503,8 @@ class StateOffload:
             for h, d in pairs:
                 d.copy_(h)
         else:
-            compute = torch.cuda.current_stream(self.device)
-            with torch.cuda.stream(self._h2d):
+            compute = self._current() if fresh else None
+            with _On(self._h2d, self._compute):
                 if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
                     self._h2d.wait_stream(compute)
                 if slot.copied_out is not None:
@@ -475,7 +515,7 @@ class StateOffload:
                     d.copy_(h, non_blocking=True)
                 slot.copied_in = slot.copied_in or torch.cuda.Event()
                 slot.copied_in.record(self._h2d)
-                self._pump("in", SIDE_RATIO["in"] * piece.size)
+                self._pump("in", SIDE_RATIO["in"] * piece.size, current=self._h2d)
         self.bytes_in += piece.size
 
     def _copies(self, index: int, piece: _Piece) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -516,9 +556,11 @@ class StateOffload:
         """The events of the last copies out of host state that ``piece`` reads (by id, each once)."""
         events = {}
         for _, p, k, u0, u1, _, _ in piece.ranges:
-            for (k2, v0, v1), e in self._host_ready.get(id(p), {}).items():
-                if k2 == k and v0 < u1 and u0 < v1:
-                    events[id(e)] = e
+            ready = self._host_ready.get((id(p), k))
+            if ready:
+                for (v0, v1), e in ready.items():
+                    if v0 < u1 and u0 < v1:
+                        events[id(e)] = e
         return events
 
     def _drop_overlaps(self, index: int, piece: _Piece) -> None:
@@ -549,7 +591,7 @@ class StateOffload:
         stream = self._h2d if direction == "in" else self._d2h
         dev = dst if direction == "in" else src
         after = torch.cuda.Event()
-        after.record(torch.cuda.current_stream(self.device))
+        after.record(self._current())
         d, s = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
         if d.numel() != s.numel():
             raise ValueError(f"side_copy: {d.numel()} bytes into {s.numel()}")
@@ -570,14 +612,14 @@ class StateOffload:
         for direction in self._side:
             self._pump(direction, float("inf"))
 
-    def _pump(self, direction: str, nbytes: float, until: SideCopy | None = None) -> None:
+    def _pump(self, direction: str, nbytes: float, until: SideCopy | None = None, current=None) -> None:
         """Issue the queued side copies' chunks of ``direction``, in order, until ``nbytes`` are issued (at least
-        one chunk if any is queued) or ``until`` is."""
+        one chunk if any is queued) or ``until`` is. ``current``: the current stream where the caller knows it."""
         queue = self._side[direction]
         if not queue:
             return
         stream = self._h2d if direction == "in" else self._d2h
-        with torch.cuda.stream(stream):
+        with _On(stream, self._compute, already=current is stream):
             while queue and nbytes > 0:
                 job = queue[0]
                 for event in job.after:

@@ -2,11 +2,11 @@
 
 On the CPU every copy of the state offload runs when it is issued, so its tests see the bits of a correct program
 whatever events it records and waits for. :func:`record_streams` replaces ``torch.cuda.Stream``, ``Event``,
-``stream``, ``current_stream`` and ``record_stream`` with stand-ins that still copy at once, but also record each
-operation on its stream with what it must follow (the operation before it on that stream, and every event or stream
-waited for since); :meth:`Recorder.hazards` then lists every two operations on overlapping memory, one of them
-writing, that the recorded waits leave unordered: on a GPU these could run the other way round from how they were
-issued (and computed, on the CPU).
+``stream``, ``set_stream``, ``current_stream``, ``current_device`` and ``record_stream`` with stand-ins that still copy
+at once, but also record each operation on its stream with what it must follow (the operation before it on that
+stream, and every event or stream waited for since); :meth:`Recorder.hazards` then lists every two operations on
+overlapping memory, one of them writing, that the recorded waits leave unordered: on a GPU these could run the other
+way round from how they were issued (and computed, on the CPU).
 
 What is recorded: copies issued with ``non_blocking=True`` (the side streams' copies), and operations a test adds with
 :meth:`Recorder.op` (a launch that updates a device buffer, say). Memory is byte ranges of CPU storage.
@@ -141,6 +141,8 @@ def record_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", lambda *a, **kw: FakeEvent(rec))
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: rec.current)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: setattr(rec, "current", stream))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # the index of the CPU device the tests run on
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     monkeypatch.setattr(torch.Tensor, "copy_", copy_)
     yield rec

@@ -449,10 +449,10 @@ def test_the_order_check_sees_a_tied_chunk_that_waits_for_no_part(small_chunks, 
         train_tied_from(model, opt, 0)
         pump = offload_mod.StateOffload._pump
 
-        def no_wait(self, direction, nbytes, until=None):
+        def no_wait(self, direction, nbytes, until=None, current=None):
             for job in self._side["out"]:
                 job.after = []
-            pump(self, direction, nbytes, until)
+            pump(self, direction, nbytes, until, current)
 
         monkeypatch.setattr(offload_mod.StateOffload, "_pump", no_wait)
         train_tied_from(model, opt, 1)
