@@ -360,7 +360,8 @@ def run_one(cell: str, shape: str, args) -> dict:
                                             "ms": round(1e3 * (last[k][1] - first[k][1]) / n, 3)} for k in last}}
     name = run_name(shape, cell, args.tag)
     if host_profile is not None:
-        _write_host_profile(host_profile["prof"], Path(args.out) / f"{name}.host_profile.txt", len(steps))
+        out_file = Path(args.out) / f"{name}.host_profile.txt"
+        host_profile = _write_host_profile(host_profile["prof"], out_file, len(steps))
     profile_file = None
     if prof is not None:
         prof.stop()
@@ -390,6 +391,7 @@ def run_one(cell: str, shape: str, args) -> dict:
         **release,
         **calls,
         "profile": profile_file,
+        **({"host_profile": host_profile} if host_profile is not None else {}),
         "optimizer_state_mib": state_bytes / 2**20,
         "optim_args": args.optim_args or None, "tag": args.tag or None,
         "max_grad_norm": training["max_grad_norm"],
@@ -496,15 +498,17 @@ def install_host_profile() -> dict:
     return state
 
 
-def _write_host_profile(prof, path: Path, steps: int) -> None:
-    """The profiled calls' functions by their own time, per step (cProfile's overhead included)."""
+def _write_host_profile(prof, path: Path, steps: int) -> str:
+    """The profiled calls' functions by their own time (cProfile's overhead included), written to ``path`` and
+    returned (the run's JSON keeps it as ``host_profile``)."""
     import io
     import pstats
 
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
-    head = f"cProfile of GradientRelease.on_grad_ready over {steps} steps after the warm-up"
-    path.write_text(f"{head}\n{buf.getvalue()}")
+    text = f"cProfile of GradientRelease.on_grad_ready over {steps} steps after the warm-up\n{buf.getvalue()}"
+    path.write_text(text)
+    return text
 
 
 def _write_profile(prof, path: Path, steps: int, step_times: list[float]) -> str:
