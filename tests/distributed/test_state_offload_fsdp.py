@@ -20,16 +20,17 @@ BUCKET = 100  # gradient elements per release launch
 STEPS = 3
 
 
-def _sharded(world):
+def _sharded(world, outs=5):
     """A smaller model than ``workers.make_model``'s (the kernels run under the interpreter here), sharded as
     ``workers.sharded`` shards it: the first layer's 960 elements are 480 per rank (two work items, so its state goes
-    through in two pieces), the output layer's 5 rows are 3 + 2 (uneven shards)."""
+    through in two pieces), the output layer's ``outs`` rows 3 + 2 (uneven shards) or, for 1, 1 + 0 (rank 1's shards
+    of the output layer's weight and bias are empty)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 5))
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, outs))
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -64,16 +65,17 @@ def _state_dict_bits(sd) -> dict:
     return out
 
 
-def _same_as_device_state(world, fmt, release, data):
+def _same_as_device_state(world, fmt, release, data, outs=5):
     """FSDP2 with and without offload, 3 steps: the same parameters, state, state dicts, exports and dequantized
-    state; where the offloaded state lives and what it reports."""
+    state; where the offloaded state lives and what it reports. ``outs``: see :func:`_sharded`."""
     from torch.distributed.tensor import DTensor
 
     from apexw_hf.accounting import optimizer_state_placement
 
     runs = []
+    data = [(x, y[:, :outs]) for x, y in data]
     for offload in (False, True):
-        model = _sharded(world)
+        model = _sharded(world, outs)
         opt = _opt(model, fmt, offload, release)
         _train(model, opt, data, release)
         runs.append((model, opt))
@@ -86,7 +88,7 @@ def _same_as_device_state(world, fmt, release, data):
         isinstance(v, DTensor)
         and v.device_mesh == p.device_mesh
         and v.to_local().device.type == "cpu"
-        and any(lo <= v.to_local().data_ptr() < hi for lo, hi in blocks)
+        and (v.to_local().numel() == 0 or any(lo <= v.to_local().data_ptr() < hi for lo, hi in blocks))
         for p in b.parameters()
         for k, v in ob.state[p].items()
         if k.startswith("exp_avg")
@@ -111,6 +113,7 @@ def _same_as_device_state(world, fmt, release, data):
         "staging": ob.staging_bytes(),
         "bytes": ob.state_bytes(),
         "bytes_device_run": oa.state_bytes(),
+        "empty_shards": sum(q.to_local().numel() == 0 for q in b.parameters()),
     }
 
 
@@ -262,6 +265,8 @@ def _worker(rank, world, store, out):
     for fmt in FORMATS:
         for release in (False, True):
             result[("same", fmt, release)] = _same_as_device_state(world, fmt, release, data)
+    for fmt, release in (("8bit", False), ("4bit", True), ("compact", True)):
+        result[("empty", fmt, release)] = _same_as_device_state(world, fmt, release, data, outs=1)
     for fmt, release, full in (("8bit", False, False), ("4bit", True, False), ("4bit", False, True)):
         result[("resume", fmt, release, full)] = _resume(world, rank, out, fmt, release, full, data)
     result["swapped"] = _swapped(world, data)
@@ -296,6 +301,18 @@ def test_fsdp2_offload_gives_the_bits_of_fsdp2_on_the_device(results, fmt, relea
         assert res["split"] and res["hits"] > 0 and res["launches"] > 3
         assert res["host"] == res["bytes"] == res["bytes_device_run"]
         assert res["device"] == res["staging"] > 0
+
+
+@pytest.mark.parametrize(("fmt", "release"), [("8bit", False), ("4bit", True), ("compact", True)])
+def test_fsdp2_offload_with_empty_local_shards(results, fmt, release):
+    """An output layer of one row: rank 1's shards of its weight and bias are empty. That rank streams the state of
+    its other shards and keeps empty state for those; every rank's bits are those of FSDP2 without offload."""
+    assert [r[("empty", fmt, release)]["empty_shards"] for r in results] == [0, 2]
+    for r in results:
+        res = r[("empty", fmt, release)]
+        bad = [k for k in ("params", "state", "state_dict", "export", "dequantized", "in_blocks") if not res[k]]
+        assert not bad, bad
+        assert res["host"] == res["bytes"] == res["bytes_device_run"]
 
 
 @pytest.mark.parametrize(
