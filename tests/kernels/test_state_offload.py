@@ -224,6 +224,7 @@ def test_piece_size_follows_the_state_unless_given():
     assert [layout(48 * n * mib)[1] for n in (1, 80, 96, 97, 144, 145)] == [3, 3, 3, 3, 3, 4]
     assert layout(6_500_000_000) == (96 * mib, 3)  # a 3B model's 8-bit state: 3 x 96 MiB
     assert layout(16 * 2**30) == (96 * mib, 4)  # an 8B model's 8-bit state: 4 x 96 MiB
+    assert layout(8_500_000_000) == (96 * mib, 4)  # and its 4-bit state
     model = make().to(DEVICE)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
     # a tiny model's state: the smallest default piece, three buffers
@@ -335,13 +336,30 @@ def _streams_on_the_cpu(monkeypatch, rec):
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams (the CUDA tests run the real ones)")
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 @pytest.mark.parametrize("release", [False, True])
-def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, small_chunks, monkeypatch):
+@pytest.mark.parametrize("lookup", ["once", "each"])
+def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup, small_chunks, monkeypatch):
     """The events the offload records and waits for order every copy and launch after whatever they must follow on a
     GPU: a copy in after the launch and copy out of what its buffer held and after the copy out that last wrote its
     host state, a launch after its copy in, a copy out after its launch (``fake_streams``: on the CPU every copy runs
-    when issued, so only this check sees the order a GPU would run them in)."""
+    when issued, so only this check sees the order a GPU would run them in). ``lookup``: the stager looks the compute
+    stream up once and switches streams with ``set_stream`` ("once"), or, where the current device is another than the
+    parameters', every switch goes through ``torch.cuda.stream`` ("each"), as the prefetch at a step's end does."""
     with record_streams(monkeypatch) as rec:
         _streams_on_the_cpu(monkeypatch, rec)
+        switches = {"set_stream": 0, "stream": 0}
+        set_stream, stream = torch.cuda.set_stream, torch.cuda.stream
+
+        def counted(name, fn):
+            def call(*a):
+                switches[name] += 1
+                return fn(*a)
+
+            return call
+
+        monkeypatch.setattr(torch.cuda, "set_stream", counted("set_stream", set_stream))
+        monkeypatch.setattr(torch.cuda, "stream", counted("stream", stream))
+        if lookup == "each":
+            monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)  # not the parameters' (CPU: index None)
         a, b = make(), make()
         oa, ob = _opt(a, fmt, False, release), _opt(b, fmt, True, release)
         train(a, oa, 4)
@@ -351,6 +369,10 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, small_
         assert rec.count("copy") >= 2 * rec.count("launch")  # every piece in and out, at least one copy each
         assert rec.hazards() == []
         _same(a, b, oa, ob)
+        if lookup == "once":  # torch.cuda.stream only outside the stagers: the prefetch at each step's end
+            assert switches["set_stream"] > 0 and switches["stream"] <= 4 * (len(ob._offload.slots) - 1)
+        else:
+            assert switches["set_stream"] == 0 and switches["stream"] > 0
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams")
