@@ -138,12 +138,12 @@ class _Piece:
     ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
     (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
 
-    __slots__ = ("key", "cut", "programs", "ranges", "params", "tensors", "size", "tables", "copies", "spans")
+    __slots__ = ("cut", "programs", "ranges", "params", "tensors", "size", "tables", "copies", "spans")
 
     def __init__(self, cut: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
         # ``cut``: (launch key, plan index), one object shared by the pieces of one cut (compared by identity: a launch
         # key is a tuple of every parameter's id, too long to hash or compare per piece)
-        self.key, self.cut, self.programs, self.ranges, self.params = cut + programs, cut, programs, ranges, params
+        self.cut, self.programs, self.ranges, self.params = cut, programs, ranges, params
         self.tensors = tensors  # of the plan
         # (id(param), key) -> the unit ranges of that state tensor in this piece: what another piece's overlap is
         # looked up in
@@ -174,38 +174,35 @@ class _On:
     """``with _On(stream, back):`` runs the block with ``stream`` current, as ``torch.cuda.stream(stream)`` does, and
     then makes ``back`` current. ``back``: the current stream, known to be on the current device (the stager looked it
     up), so two ``torch.cuda.set_stream`` calls do it; None: ``torch.cuda.stream``, which looks both up (several
-    microseconds of host time, and a piece switches streams two to four times). ``already``: ``stream`` is current."""
+    microseconds of host time, and a piece switches streams two to four times)."""
 
     __slots__ = ("stream", "back", "ctx")
 
-    def __init__(self, stream, back, already: bool = False):
+    def __init__(self, stream, back):
         self.stream, self.back = stream, back
-        self.ctx = None if already or back is not None else torch.cuda.stream(stream)
-        if already:
-            self.stream = None
+        self.ctx = torch.cuda.stream(stream) if back is None else None
 
     def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-        elif self.stream is not None:
+        if self.ctx is None:
             torch.cuda.set_stream(self.stream)
+        else:
+            self.ctx.__enter__()
 
     def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
-        elif self.stream is not None:
+        if self.ctx is None:
             torch.cuda.set_stream(self.back)
+        else:
+            self.ctx.__exit__(*exc)
 
 
 class _Slot:
-    """One device buffer and what it holds: the piece ``key`` whose state is there (None: nothing usable), and the
-    events of its last copy in and copy out."""
+    """One device buffer and what it holds: the ``piece`` whose state is there (None: nothing usable), and the events
+    of its last copy in and copy out."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
-        self.key: tuple | None = None
         self.piece: _Piece | None = None
-        self.copied_in = None  # event: the copy in of ``key`` (waited for by the launch)
+        self.copied_in = None  # event: the copy in of ``piece`` (waited for by the launch)
         self.copied_out = None  # event: the last copy out of this slot (waited for by the next copy in)
 
 
@@ -498,7 +495,7 @@ class StateOffload:
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
         pairs = self._copies(index, piece)
-        slot.key, slot.piece = piece.key, piece
+        slot.piece = piece
         if self._h2d is None:
             for h, d in pairs:
                 d.copy_(h)
@@ -573,7 +570,7 @@ class StateOffload:
                 continue
             for t in mine.keys() & other.spans.keys():
                 if any(v0 < u1 and u0 < v1 for v0, v1 in mine[t] for u0, u1 in other.spans[t]):
-                    s.key, s.piece = None, None
+                    s.piece = None
                     break
 
     # ---- copies beside the state's ------------------------------------------------------------------------------
@@ -619,21 +616,29 @@ class StateOffload:
         if not queue:
             return
         stream = self._h2d if direction == "in" else self._d2h
-        with _On(stream, self._compute, already=current is stream):
-            while queue and nbytes > 0:
-                job = queue[0]
-                for event in job.after:
-                    stream.wait_event(event)
-                job.after = []
-                dst, src = job.chunks.popleft()
-                dst.copy_(src, non_blocking=True)
-                nbytes -= dst.numel()
-                if job.chunks:
-                    continue
-                job.done.record(stream)
-                queue.popleft()
-                if job is until:
-                    return
+        if current is stream:
+            self._issue(queue, stream, nbytes, until)
+        else:
+            with _On(stream, self._compute):
+                self._issue(queue, stream, nbytes, until)
+
+    @staticmethod
+    def _issue(queue: collections.deque, stream, nbytes: float, until: SideCopy | None) -> None:
+        """:meth:`_pump`'s copies, with ``stream`` current."""
+        while queue and nbytes > 0:
+            job = queue[0]
+            for event in job.after:
+                stream.wait_event(event)
+            job.after = []
+            dst, src = job.chunks.popleft()
+            dst.copy_(src, non_blocking=True)
+            nbytes -= dst.numel()
+            if job.chunks:
+                continue
+            job.done.record(stream)
+            queue.popleft()
+            if job is until:
+                return
 
     # ---- outside the step ------------------------------------------------------------------------------------
 
@@ -648,7 +653,7 @@ class StateOffload:
         self.finish_side()
         self.sync()
         for s in self.slots:
-            s.key, s.piece, s.copied_in = None, None, None
+            s.piece, s.copied_in = None, None
         self._order, self._now, self._launched = [], [], set()
         self._cuts.clear()
         self._host_ready.clear()
