@@ -63,6 +63,15 @@ def _load(old: Old):
     return saved, [torch.nn.Parameter(t.clone()) for t in saved["params"]]
 
 
+def _converted(old: Old, cls):
+    """The checkpoint of ``old`` loaded into a new ``cls``: per parameter, the old entry's decoded ``(m, v)`` and the
+    optimizer's dequantized state."""
+    saved, params = _load(old)
+    opt = cls(params)
+    opt.load_state_dict(saved["optimizer"])
+    return [(*old.decode(saved["optimizer"]["state"][i]), opt.dequantized_state(p)) for i, p in enumerate(params)]
+
+
 def _snapshot(opt):
     return {id(p): {k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in opt.state.items()}
 
@@ -119,13 +128,7 @@ def test_old_checkpoint_converts_exactly_and_deterministically(version):
 def test_8bit_v2_keeps_m_and_v_within_one_code_step():
     """8-bit version 3 codes m as version 2 did (the same codes and scale) and v in e5m3 over a finer range: the
     decoded moments of the converted checkpoint are version 2's m exactly and v within one e5m3 step."""
-    old = OLD["8bit_v2"]
-    saved, params = _load(old)
-    opt = ApexW8bit(params)
-    opt.load_state_dict(saved["optimizer"])
-    for i, p in enumerate(params):
-        m, v = old.decode(saved["optimizer"]["state"][i])
-        got = opt.dequantized_state(p)
+    for m, v, got in _converted(OLD["8bit_v2"], ApexW8bit):
         assert torch.equal(got["exp_avg"], m)
         assert ((got["exp_avg_sq"] - v).abs() <= v / 8).all()  # the skewed v are in range
 
@@ -202,13 +205,7 @@ def test_4bit_v2_keeps_m_and_v_close():
     """4-bit version 3 codes m as version 2 did, over the exact absmax instead of the absmax rounded up to bf16, and v
     in codes of two binades: the converted checkpoint's m is version 2's within one code step (a factor 2, or 0 and the
     least code), its v within one v code step (a factor 4)."""
-    old = OLD["4bit_v2"]
-    saved, params = _load(old)
-    opt = ApexW4bit(params)
-    opt.load_state_dict(saved["optimizer"])
-    for i, p in enumerate(params):
-        m, v = old.decode(saved["optimizer"]["state"][i])
-        got = opt.dequantized_state(p)
+    for m, v, got in _converted(OLD["4bit_v2"], ApexW4bit):
         amax = m.abs().reshape(-1).max()
         assert ((got["exp_avg"] - m).abs() <= torch.maximum(m.abs(), amax * 2.0**-6)).all()
         assert (got["exp_avg_sq"] <= 4 * v).all() and (got["exp_avg_sq"] >= v / 4).all()

@@ -21,23 +21,23 @@ LOG2_RATIOS = (4, 8, 12, 16, 20, 24)
 BETA2S = (0.99, 0.999, 0.9995, 0.9999)
 
 
-@pytest.mark.parametrize("scenario, burst", [("held", 0), ("decaying", 0), ("held", 20)])
-def test_8bit_update_size_of_skewed_elements(scenario, burst):
+def _check_update_sizes(fmt: str, block: int, scenario: str, burst: int, lo: float, hi: float) -> None:
+    """``skew_walk``'s small elements of ``fmt`` (blocks of ``block``) against torch AdamW's, at a fifth of its steps
+    and one block per ratio, for every beta2 and ratio: each update size within [lo, hi]."""
     walk = load_script("skew_walk")
     for beta2 in BETA2S:
         after = walk.AFTER[beta2] // 5
-        args = (LOG2_RATIOS, 1, 256, burst, after, scenario, 0)
-        ratio = walk.distances("8bit", beta2, *args) / walk.distances("torch", beta2, *args)
+        args = (LOG2_RATIOS, 1, block, burst, after, scenario, 0)
+        ratio = walk.distances(fmt, beta2, *args) / walk.distances("torch", beta2, *args)
         for k, r in zip(LOG2_RATIOS, ratio.tolist()):
-            assert 0.95 <= r <= 1.05, f"beta2 {beta2}, v 2**{k} below the block maximum: update size {r:.3f}"
+            assert lo <= r <= hi, f"beta2 {beta2}, v 2**{k} below the block maximum: update size {r:.3f}"
+
+
+@pytest.mark.parametrize("scenario, burst", [("held", 0), ("decaying", 0), ("held", 20)])
+def test_8bit_update_size_of_skewed_elements(scenario, burst):
+    _check_update_sizes("8bit", 256, scenario, burst, 0.95, 1.05)
 
 
 @pytest.mark.parametrize("scenario, burst", [("held", 0), ("decaying", 0), ("held", 20), ("decaying", 20)])
 def test_4bit_update_size_of_skewed_elements(scenario, burst):
-    walk = load_script("skew_walk")
-    for beta2 in BETA2S:
-        after = walk.AFTER[beta2] // 5
-        args = (LOG2_RATIOS, 1, 128, burst, after, scenario, 0)
-        ratio = walk.distances("4bit", beta2, *args) / walk.distances("torch", beta2, *args)
-        for k, r in zip(LOG2_RATIOS, ratio.tolist()):
-            assert 0.85 <= r <= 1.15, f"beta2 {beta2}, v 2**{k} below the block maximum: update size {r:.3f}"
+    _check_update_sizes("4bit", 128, scenario, burst, 0.85, 1.15)
