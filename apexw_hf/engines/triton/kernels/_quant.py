@@ -332,7 +332,7 @@ def v4_code(y, bits):
     plus the 64-bit word ``q << 32 | 0xFFFFFFFF``: one wide multiply-add. The left side is ``M * 2**32`` with ``M =
     144 (2 r + 1)``, below ``q * t`` iff the high word of that sum exceeds ``M``: the same comparison, exactly. The
     lower code is ``(e - 99) // 2 + 1`` for the exponent field ``e``, the bits minus V4_CODE_OFF shifted right by 24;
-    rounding up adds 1 << 24 before the shift.
+    rounding up adds 1 << 24 before the shift (both in one add: int32 addition wraps, so the sum is the same bits).
     """
     b = f32_bits(y)
     z = b & 0xFFFFFF  # bit 23: e & 1; below it the mantissa
@@ -342,7 +342,7 @@ def v4_code(y, bits):
     q64 = q.to(tl.int64)
     w = q64 * t_s.to(tl.int64) + ((q64 << 32) | 0xFFFFFFFF)
     up = (w >> 32).to(tl.int32) > r * (2 * V4_UNIT_HI) + V4_UNIT_HI
-    return (b.to(tl.int32) + tl.where(up, 1 << 24, 0) - V4_CODE_OFF) >> 24
+    return (b.to(tl.int32) + tl.where(up, (1 << 24) - V4_CODE_OFF, -V4_CODE_OFF)) >> 24  # the offset in the select
 
 
 @triton.jit
