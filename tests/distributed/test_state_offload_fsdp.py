@@ -15,7 +15,7 @@ from . import workers as w
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed support")
 
 FORMATS = ("8bit", "4bit", "compact")
-PIECE = 1200  # bytes of state per launch: each rank's shard of the first layer goes through in several pieces (one work item each)
+PIECE = 1200  # bytes of state per launch: each rank's first-layer shard goes through in pieces of one work item
 BUCKET = 100  # gradient elements per release launch
 STEPS = 3
 
