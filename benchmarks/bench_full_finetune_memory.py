@@ -705,11 +705,12 @@ def main() -> None:
                 rel += f"\n      {k:40} {v['calls']:6.1f} calls {v['ms']:8.3f} ms/step"
             fit = fits(row["peak_reserved_gib"]) if "peak_reserved_gib" in row else "-"
             nan = float("nan")
+            bad = "  NOT FINITE: the weights or the logged loss / grad_norm" if row.get("finite") is False else ""
             print(f"{shape:3} {cell:34} alloc {row.get('peak_allocated_gib', nan):7.2f} GiB  reserved "
                   f"{row.get('peak_reserved_gib', nan):7.2f}  s/step {row.get('s_per_step') or nan:.3f}"
                   f" (drained {row.get('s_per_step_drained') or nan:.3f})"
                   f"  grads@step {row.get('grads_alive_before_step')}  fits {fit}{rel}  {row.get('error', '')}"
-                  f"{'  NOT FINITE: the weights or the logged loss / grad_norm' if row.get('finite') is False else ''}",
+                  f"{bad}",
                   flush=True)
     keys = ["shape", "cell", "tag", "optim_args", "params", "peak_allocated_gib", "peak_reserved_gib", "s_per_step",
             "s_per_step_drained", "step_sync", "optimizer_state_mib", "gradient_release", "grads_alive_before_step",

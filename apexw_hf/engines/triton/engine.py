@@ -386,8 +386,9 @@ class TritonEngine:
 
     def _step(self, cache: _GroupCache, ids: list[int] | None, hp: dict[str, float]):
         """Increment the step counters of the stepping params (all cached ones when ``ids`` is None) and return the
-        lowest step count among them, its scalars, and whether every stepping param is at that step. When they are not, each plan gets a
-        per-tensor table of step sizes (Python float math per distinct step count, exactly as the reference)."""
+        lowest step count among them, its scalars, and whether every stepping param is at that step. When they are
+        not, each plan gets a per-tensor table of step sizes (Python float math per distinct step count, exactly as
+        the reference)."""
         # All cached params in one add (on the numpy view of the counters' buffer: a fraction of the host time of a
         # tensor operation), or only the stepping ones.
         if ids is None:

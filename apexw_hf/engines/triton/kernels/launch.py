@@ -348,8 +348,8 @@ class LaunchPlan:
         return MAX_REGISTERS.get((self.fmt, self.param_dtype, stochastic, even, per_tensor_step))
 
     def _launch(
-        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end, state_table,
-        check_nonfinite,
+        self, step, scalars, maximize, stochastic_param, per_tensor_step, grad_scale, nonfinite, first, end,
+        state_table, check_nonfinite,
     ) -> None:
         s = scalars
         counts, serial = (self.own_counts(), 1) if nonfinite is None else nonfinite
