@@ -315,7 +315,6 @@ def test_pieces_across_tensor_boundaries_give_the_same_bits(fmt, release, monkey
         assert len(piece.params) == len({id(p) for p in piece.params})
 
 
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_piece_holds_nearly_its_stated_bytes(fmt, monkeypatch):
     """A piece cut inside a tensor holds at most PIECE_BYTES and misses it by less than one work item's state and one
@@ -338,6 +337,7 @@ def test_a_piece_holds_nearly_its_stated_bytes(fmt, monkeypatch):
     for piece in pieces[:-1]:
         assert 20000 - pad - item < piece.size <= 20000
     assert pieces[-1].size <= 20000
+
 
 def _streams_on_the_cpu(monkeypatch, rec):
     """State offload on the CPU takes its CUDA path with the stand-in streams of ``rec``: side streams at binding, and
