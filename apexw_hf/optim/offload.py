@@ -60,16 +60,16 @@ DEFAULT_SLOTS = 3
 # Bytes of state per launch (a piece of fewer bytes where a bucket ends; one work item at least). The device holds
 # a few buffers of about this size, and all but one of them are how far the copies run ahead of the launches: smaller
 # pieces take less GPU memory and hide less of the link (docs/gradient_release.md, "State offload", has the measured
-# trade-off). By default a piece is 1/96 of the whole state, between these bounds, in DEFAULT_SLOTS buffers (1/32 of
-# the state); a state whose 1/96 is above DEEP_SHARE x PIECE_BYTES (an 8B model's) gets one buffer more instead:
-# on 8B shapes four buffers ran ahead further than three of a third more bytes, in the same GPU memory. A 1B-3B
-# model's state gets the smallest pieces: less GPU memory, and a slower step where the copies need to run further
-# ahead (a 3B 4-bit state: 3 x 33.5 MiB stepped slower than 3 x 44 MiB; docs/gradient_release.md, "State offload").
-PIECE_BYTES = 48 * 2**20
+# trade-off). By default a piece is 1/72 of the whole state, between these bounds, in DEFAULT_SLOTS buffers (1/24 of
+# the state); a state whose 1/72 is above DEEP_SHARE x PIECE_BYTES (an 8B model's) gets one buffer more instead:
+# on 8B shapes four buffers ran ahead further than three of a third more bytes, in the same GPU memory. A 1B model's
+# state gets the smallest pieces: less GPU memory, and a slower step where the copies need to run further ahead
+# (a 3B 4-bit state: 3 x 33.5 MiB stepped slower than 3 x 44 MiB; docs/gradient_release.md, "State offload").
+PIECE_BYTES = 64 * 2**20
 MIN_PIECE_BYTES = 32 * 2**20
-PIECES_PER_STATE = 96
-# The fourth buffer only where the state's 1/96 is over this many PIECE_BYTES: 8B shapes (4-bit ~1.7, 8-bit ~3.4);
-# a 3B 8-bit state (1/96 ~1.34 x PIECE_BYTES) streams through three buffers (three took 0.09 GiB less than four at
+PIECES_PER_STATE = 72
+# The fourth buffer only where the state's 1/72 is over this many PIECE_BYTES: 8B shapes (4-bit ~1.7, 8-bit ~3.3);
+# a 3B 8-bit state (1/72 ~1.35 x PIECE_BYTES) streams through three buffers (three took 0.09 GiB less than four at
 # the same speed, measured with larger pieces).
 DEEP_SHARE = 1.5
 

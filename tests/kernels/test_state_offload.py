@@ -213,26 +213,26 @@ def test_errors_name_what_is_wrong(monkeypatch):
 
 
 def test_piece_size_follows_the_state_unless_given():
-    """By default a piece is 1/96 of the whole state within [32, 48] MiB, in three device buffers, or four where it is
+    """By default a piece is 1/72 of the whole state within [32, 64] MiB, in three device buffers, or four where it is
     over 1.5 times the cap (8B shapes); offload_piece_mib sets the piece (three buffers); a bad value, or the option
     without state_offload, is refused naming what is allowed."""
     mib = 2**20
     layout = offload_mod.default_layout
     assert layout(0) == (32 * mib, 3)
-    assert layout(96 * 40 * mib) == (40 * mib, 3)
-    assert layout(10**12) == (48 * mib, 4)
-    assert [layout(96 * n * mib)[1] for n in (1, 40, 48, 49, 72, 73)] == [3, 3, 3, 3, 3, 4]
-    assert layout(6_500_000_000) == (48 * mib, 3)  # a 3B model's 8-bit state: 3 x 48 MiB
-    assert layout(16 * 2**30) == (48 * mib, 4)  # an 8B model's 8-bit state: 4 x 48 MiB
-    assert layout(8_400_000_000) == (48 * mib, 4)  # and its 4-bit state
-    assert layout(3_400_000_000) == (3_400_000_000 // 96, 3)  # a 3B model's 4-bit state: 1/96 of it
+    assert layout(72 * 40 * mib) == (40 * mib, 3)
+    assert layout(10**12) == (64 * mib, 4)
+    assert [layout(72 * n * mib)[1] for n in (1, 40, 64, 65, 96, 97)] == [3, 3, 3, 3, 3, 4]
+    assert layout(6_500_000_000) == (64 * mib, 3)  # a 3B model's 8-bit state: 3 x 64 MiB
+    assert layout(16 * 2**30) == (64 * mib, 4)  # an 8B model's 8-bit state: 4 x 64 MiB
+    assert layout(8_400_000_000) == (64 * mib, 4)  # and its 4-bit state
+    assert layout(3_400_000_000) == (3_400_000_000 // 72, 3)  # a 3B model's 4-bit state: 1/72 of it
     model = make().to(DEVICE)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True)
     # a tiny model's state: the smallest default piece, three buffers
     assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (32 * mib, 3)
     opt = ApexW(model.parameters(), engine="triton", state_format="4bit", state_offload=True, offload_piece_mib=3)
     assert (opt._offload.piece_bytes, len(opt._offload.slots)) == (3 * mib, 3)
-    with pytest.MonkeyPatch.context() as mp:  # bounds the fp32 state of the tiny model (31 KB) exceeds 96 x 1.5 times
+    with pytest.MonkeyPatch.context() as mp:  # bounds the fp32 state of the tiny model (31 KB) exceeds 72 x 1.5 times
         mp.setattr(offload_mod, "MIN_PIECE_BYTES", 64)
         mp.setattr(offload_mod, "PIECE_BYTES", 128)
         opt = ApexW(model.parameters(), engine="triton", state_format="fp32", state_offload=True)
