@@ -8,7 +8,8 @@ process falls on both arms), each block with a fresh optimizer of the same forma
 autocast, gradient checkpointing, Liger's kernels (``--liger``), ``max_grad_norm`` 1.0 (``clip_grad_norm_`` before
 an ordinary step; the optimizer's own clipping with release), a linear lr schedule, weight decay on the matrices
 (the Trainer's two param groups), random tokens of ``--seq`` x ``--batch``. It leaves out the Trainer's own per-step
-Python, the same in both arms, so the ratio here is a little larger than through the Trainer.
+Python, the same in both arms, so the ratio here is a little larger than through the Trainer. ``--offload``: the
+release arm also keeps its state in host memory (``state_offload=True``), against the same plain arm.
 
 Printed and written to ``--out`` (JSON, with GPU, versions, commit and date): each round's median step time per
 arm and their ratio, the median of the rounds' ratios, each arm's median and fastest step over all rounds, and the
@@ -16,6 +17,7 @@ release arm's flushes and host milliseconds per step.
 
     python3 benchmarks/bench_release_overhead.py --shape 1b --format 4bit --liger --rounds 6 --steps 25 \
         --out runs/release_overhead/1b_4bit.json
+    python3 benchmarks/bench_release_overhead.py --shape 1b --format 4bit --liger --offload --out runs/ro/off.json
     python3 benchmarks/bench_release_overhead.py --shape tiny --device cpu --rounds 2 --steps 3 --warmup 1  # smoke
 """
 
@@ -81,6 +83,8 @@ def run_block(model, batches, release: bool, args, step0: int) -> dict:
     kw = dict(lr=1e-5, state_format=args.format, gradient_release=release)
     if release:
         kw.update(max_grad_norm=1.0, **({"release_bucket_size": args.bucket} if args.bucket else {}))
+        if args.offload:
+            kw.update(state_offload=True)
     opt = ApexW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], **kw)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / (2 * args.steps))
     params = decay + rest
@@ -142,6 +146,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--bucket", type=int, default=0, help="release_bucket_size (elements); 0: the default")
+    ap.add_argument(
+        "--offload", action="store_true", help="the release arm keeps its state in host memory (state_offload=True)"
+    )
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -173,6 +180,7 @@ def main(argv=None) -> dict:
         "seq": args.seq,
         "batch": args.batch,
         "bucket": args.bucket or None,
+        "offload": args.offload,
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -183,7 +191,8 @@ def main(argv=None) -> dict:
     }
     print(
         f"{args.shape} {args.format}{' + liger' if args.liger else ''}: median s/step plain "
-        f"{summary['median_s']['plain']:.4f}, release {summary['median_s']['release']:.4f}; ratio: median of "
+        f"{summary['median_s']['plain']:.4f}, release{' + offload' if args.offload else ''} "
+        f"{summary['median_s']['release']:.4f}; ratio: median of "
         f"rounds {summary['median_ratio']:.3f} (min {min(summary['round_ratios']):.3f}, max "
         f"{max(summary['round_ratios']):.3f}), of medians {summary['ratio_of_medians']:.3f}; fastest "
         f"{summary['fastest_s']['plain']:.4f} / {summary['fastest_s']['release']:.4f}"

@@ -5,6 +5,8 @@ import json
 import math
 import statistics
 
+import pytest
+
 from ..scripts import load_script
 
 
@@ -24,4 +26,12 @@ def test_release_overhead_smoke_run_on_cpu(tmp_path):
     assert row["flushes_per_step"] > 2 and row["release_host_ms_per_step"] > 0
     expect = [statistics.median(b["release"]["timed"]) / statistics.median(b["plain"]["timed"]) for b in row["blocks"]]
     assert row["round_ratios"] == expect and row["median_ratio"] == statistics.median(expect)
-    assert row["commit"] and row["date"] and row["device"] == "cpu"
+    assert row["commit"] and row["date"] and row["device"] == "cpu" and row["offload"] is False
+
+
+def test_release_overhead_offload_arm_is_refused_on_cpu():
+    """--offload puts the release arm's state in host memory, which needs the Triton kernels on a GPU: on the CPU the
+    optimizer's own error says so (no arm silently runs without it)."""
+    argv = ["--shape", "tiny", "--device", "cpu", "--rounds", "1", "--steps", "2", "--warmup", "1", "--offload"]
+    with pytest.raises(ValueError, match="state_offload=True streams the state through the Triton kernels on a GPU"):
+        _load().main([*argv, "--seq", "16", "--batch", "2"])
