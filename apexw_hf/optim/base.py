@@ -105,8 +105,8 @@ class ApexW(torch.optim.Optimizer):
             keeps the state of its local shards in host memory (the same ``DTensor`` state as without offload, over
             host tensors) and streams it through its GPU.
         offload_piece_mib: with ``state_offload``, the most MiB of state one launch updates; the GPU holds three
-            buffers of about that size. None (default): 1/96 of the whole state, between 32 and 48 MiB, in three
-            buffers, or four of 48 MiB for a state over 96 x 72 MiB (:func:`apexw_hf.optim.offload.default_layout`).
+            buffers of about that size. None (default): 1/72 of the whole state, between 32 and 64 MiB, in three
+            buffers, or four of 64 MiB for a state over 72 x 96 MiB (:func:`apexw_hf.optim.offload.default_layout`).
             Smaller saves GPU memory and hides less of the copies behind backward (docs/gradient_release.md, "State
             offload", has the measured trade-off).
         nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
