@@ -73,9 +73,14 @@ worse at 2**24 below the block maximum; the top eight are a bf16 parameter's lea
 a bf16 parameter, so these kernels hash one word per element instead of two.
 
 Non-finite gradients. A *block* of 256 consecutive elements of the flattened tensor (:data:`BLOCK`, the ``8bit``
-scale block, two ``4bit`` ones, one row of the kernel's tile) whose gradient holds a NaN or an infinity (after
-``maximize``'s negation and any clip coefficient the gradient was multiplied by) is not updated: its parameter
-elements, its moments and its block scales keep their values, bit for bit (:func:`adamw_step_ref_`). Not less than a
+scale block, two ``4bit`` ones, one row of the kernel's tile) whose new second moment ``v * beta2 + g * g * (1 -
+beta2)`` holds a NaN or an infinity is not updated: its parameter elements, its moments and its block scales keep
+their values, bit for bit (:func:`adamw_step_ref_`). That is a block whose gradient holds a NaN or an infinity (after
+``maximize``'s negation and any clip coefficient the gradient was multiplied by), or a finite element whose square
+overflows fp32 (``|g| >= 2**64``, about 1.8e19), which would otherwise store an infinite ``v`` and, in the block
+formats, an infinite scale. Why ``v`` and not the gradient: a non-finite gradient always makes ``v`` non-finite, and
+the ``8bit`` and ``4bit`` kernels already take the block maximum of ``v``'s bits for its scale, so the test is one
+comparison there instead of a reduction of its own. Not less than a
 scale block: part of a block cannot keep its old values while the rest is written, since they share the scale. The
 tensor's step counter still advances (it numbers the optimizer's steps and selects the random streams); a block that
 skipped a step then has its bias correction one step ahead, which only matters in the first few steps. Why per block
@@ -814,11 +819,11 @@ def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
     return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v2", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
 
 
-def nonfinite_blocks(grad: torch.Tensor) -> torch.Tensor:
-    """Per block of :data:`BLOCK` elements of the flattened ``grad``, whether it holds a NaN or an infinity (a bool
-    tensor of ``num_blocks(grad.numel())`` elements): the blocks a step leaves un-updated (the module docstring says
-    why)."""
-    return ~torch.isfinite(_blocks(grad.float())).all(dim=1)
+def nonfinite_blocks(v: torch.Tensor) -> torch.Tensor:
+    """Per block of :data:`BLOCK` elements of the flattened ``v`` (a step's new fp32 second moment, before it is
+    rounded or encoded), whether it holds a NaN or an infinity (a bool tensor of ``num_blocks(v.numel())`` elements):
+    the blocks a step leaves un-updated (the module docstring says which and why)."""
+    return ~torch.isfinite(_blocks(v.float())).all(dim=1)
 
 
 def adamw_step_ref_(
@@ -835,7 +840,8 @@ def adamw_step_ref_(
     param_rounding: str = "stochastic",
 ) -> int:
     """Apply one AdamW step to ``param`` in place and update its ``state`` (the format's tensors) in place, except in
-    the blocks whose gradient is not finite (:func:`nonfinite_blocks`), which keep their parameter, moments and scales.
+    the blocks whose new ``v`` is not finite (:func:`nonfinite_blocks`: a NaN or infinite gradient, or one whose
+    square overflows), which keep their parameter, moments and scales.
     Returns the number of such blocks.
 
     Args:
@@ -852,13 +858,13 @@ def adamw_step_ref_(
     g = grad.float()
     if maximize:
         g = -g
-    bad = nonfinite_blocks(g)
-    skipped = int(bad.sum())
-    if skipped:
-        kept = (param.detach().clone(), {k: x.clone() for k, x in state.items() if isinstance(x, torch.Tensor)})
     m, v = load_moments(state, fmt, param.shape)
     m = m * s.beta1 + g * s.one_minus_beta1
     v = v * s.beta2 + (g * g) * s.one_minus_beta2
+    bad = nonfinite_blocks(v)
+    skipped = int(bad.sum())
+    if skipped:
+        kept = (param.detach().clone(), {k: x.clone() for k, x in state.items() if isinstance(x, torch.Tensor)})
     denom = sqrt_rn(v) * s.inv_bc2_sqrt + s.eps
     p = param.float() * s.decay - (m / denom) * s.step_size
     bits_p = None

@@ -27,7 +27,7 @@ block makes its scale NaN and its codes those of ``y = 0`` (``reference._normali
 * the codes of ``reference.minifloat_code`` (4-bit ``v``: ``reference.v4_code``'s integer threshold), a nonzero ``v``
   never getting code 0.
 
-A block whose gradient holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
+A block whose new ``v`` holds a NaN or an infinity (with 4-bit state: either 128-element half of its tensor's
 256-element block, ``reference.nonfinite_blocks``) is flagged in ``skip`` and not written; the host counts the flags.
 A packed chunk's block padding (``blk_valid`` below the block size) holds ``m = v = 0``, as in
 ``reference._blocks``. Compiled on first use and cached on disk (``cache=True``), one signature per kernel.
@@ -98,7 +98,7 @@ INF_BITS = u32(0x7F800000)
 BF16_NAN = np.uint16(0x7FC0)
 ONE_BITS = u32(1)
 F_ONE, F_ZERO = f32(1.0), f32(0.0)
-F_INF, BF16_EXP = f32(np.inf), u32(0x7F80)
+F_INF = f32(np.inf)
 MIN_NORMAL = f32(ref.MIN_NORMAL)
 EXP23 = u32(1 << 23)
 # 8-bit (format version 3): m's random bits are the word's bits 0-5 (to 14-19, half a unit at 13), v's 16 are its
@@ -202,25 +202,28 @@ def load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, blk, p_mode):
 
 
 @njit(inline="always")
-def nonfinite(gbuf, blk):
-    """How many of the block's gradient values (fp32, padding zero) are a NaN or an infinity."""
+def nonfinite(vbuf, nv):
+    """How many of the first ``nv`` values of the block's new ``v`` (fp32, >= 0 or NaN) are a NaN or an infinity."""
     bad = 0
-    for j in range(blk):
-        bad += 0 if abs(gbuf[j]) < F_INF else 1
+    for j in range(nv):
+        bad += 0 if vbuf[j] < F_INF else 1
     return bad
 
 
 @njit(inline="always")
-def nonfinite_raw(g32, g16, base, nv):
-    """:func:`nonfinite` of ``nv`` gradient values of the chunk from ``base`` (fp32, or bf16 bits with an exponent of
-    all ones)."""
+def nonfinite_v4(codes, v_scale, g32, g16, b, nv, beta2, omb2):
+    """:func:`nonfinite` of the new ``v`` of 4-bit block ``b`` (its ``nv`` valid elements), computed from its codes,
+    its ``v`` scale and its gradient (fp32, or bf16 bits) without writing anything: the second half of a 256-element
+    block, before the same task updates it."""
+    sv = bits_f32(v_scale[b])
+    base = b * BLOCK4
     bad = 0
-    if g32.shape[0] == 0:
-        for j in range(nv):
-            bad += 1 if (u32(g16[base + j]) & BF16_EXP) == BF16_EXP else 0
-    else:
-        for j in range(nv):
-            bad += 0 if abs(g32[base + j]) < F_INF else 1
+    for j in range(nv):
+        cv = u32(codes[base + j]) >> S4
+        av = bits_f32(u32((cv + cv + V4_VAL_OFF) << S23))
+        g = g32[base + j] if g32.shape[0] else bits_f32(u32(g16[base + j]) << S16)
+        v = (av if cv >= ONE_BITS else F_ZERO) * sv * beta2 + (g * g) * omb2
+        bad += 0 if v < F_INF else 1
     return bad
 
 
@@ -288,7 +291,7 @@ def step_8bit(
     """One chunk with 8-bit state. ``p_mode``: 0 fp32 parameters (``p32``), 1 bf16 rounded to nearest, 2 bf16
     stochastically (``p16``, the bf16 bits); gradients in ``g32`` (fp32) or, when it is empty, ``g16`` (bf16
     bits). ``hp``: beta1, 1 - beta1 (negated for ``maximize``), beta2, 1 - beta2, 1 / sqrt(1 - beta2**t), eps,
-    step size, decay. ``skip[b]`` is set to 1 for a block with a non-finite gradient, which is left as it was
+    step size, decay. ``skip[b]`` is set to 1 for a block whose new ``v`` is not finite, which is left as it was
     (``reference.nonfinite_blocks``), else 0."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
@@ -304,10 +307,6 @@ def step_8bit(
             base = b * BLOCK8
             nv = u64(blk_valid[b])
             load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK8, p_mode)
-            bad = nonfinite(gbuf, BLOCK8)
-            skip[b] = 1 if bad else 0
-            if bad:
-                continue
             sm = bits_f32(u32(m_scale[b]) << S16)
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK8):
@@ -326,6 +325,11 @@ def step_8bit(
                 pbuf[j] = p
                 mbuf[j] = m
                 vbuf[j] = v
+            # nothing is written before this: a block whose new v is not finite keeps everything it had
+            bad = nonfinite(vbuf, nv)
+            skip[b] = 1 if bad else 0
+            if bad:
+                continue
             key = seg_key[blk_seg[b]]
             amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK8, key, p_mode)
             s16m = round_up_bf16(amax_m)
@@ -359,7 +363,7 @@ def step_4bit(
 ):
     """One chunk with 4-bit state, format version 3 (``codes``: both moments per byte, ``reference.quantize_mv4``;
     ``m_scale``, ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block
-    of 128 elements is left as it was when its gradient or that of ``blk_pair[b]`` (the other half of its tensor's
+    of 128 elements is left as it was when its new ``v`` or that of ``blk_pair[b]`` (the other half of its tensor's
     256-element block, -1 where the tensor ends first) has a non-finite value."""
     beta1, omb1, beta2, omb2 = hp[0], hp[1], hp[2], hp[3]
     inv_bc2, eps, step_size, decay = hp[4], hp[5], hp[6], hp[7]
@@ -370,17 +374,21 @@ def step_4bit(
         mbuf = np.empty(BLOCK4, np.float32)
         vbuf = np.empty(BLOCK4, np.float32)
         wbuf = np.empty(BLOCK4, np.uint32)
-        for b in range(u64(task * nb // ntasks), u64((task + 1) * nb // ntasks)):
+        # both halves of a 256-element block in one task, the first half first: it decides the skip of both, from
+        # its own new v and the second half's (computed from that half's state before this task writes it)
+        lo, hi = task * nb // ntasks, (task + 1) * nb // ntasks
+        lo += 1 if 0 < lo < nb and blk_pair[lo] == lo - 1 else 0
+        hi += 1 if 0 < hi < nb and blk_pair[hi] == hi - 1 else 0
+        for b in range(u64(lo), u64(hi)):
             base = b * BLOCK4
             nv = u64(blk_valid[b])
-            load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK4, p_mode)
-            bad = nonfinite(gbuf, BLOCK4)
             pair = blk_pair[b]
-            if pair >= 0:
-                bad += nonfinite_raw(g32, g16, u64(pair) * BLOCK4, u64(blk_valid[pair]))
-            skip[b] = 1 if bad else 0
-            if bad:
-                continue
+            second = pair >= 0 and pair < b
+            if second:
+                skip[b] = skip[pair]
+                if skip[b]:
+                    continue
+            load_block(gbuf, pbuf, p32, p16, g32, g16, base, nv, BLOCK4, p_mode)
             sm = bits_f32(m_scale[b])
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK4):
@@ -398,6 +406,14 @@ def step_4bit(
                 pbuf[j] = p
                 mbuf[j] = m
                 vbuf[j] = v
+            if not second:
+                # nothing is written before this: a block whose new v (or its pair's) is not finite keeps everything
+                bad = nonfinite(vbuf, nv)
+                if pair >= 0:
+                    bad += nonfinite_v4(codes, v_scale, g32, g16, u64(pair), u64(blk_valid[pair]), beta2, omb2)
+                skip[b] = 1 if bad else 0
+                if bad:
+                    continue
             key = seg_key[blk_seg[b]]
             amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, key, p_mode)
             s32m = F32_NAN_BITS if amax_m > INF_BITS else amax_m  # m: the exact fp32 absmax
@@ -481,7 +497,7 @@ FORMATS = ("8bit", "4bit")  # the state formats of this path (with fp32 or bf16 
 def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize: bool, rounding: str) -> dict:
     """One chunk of ``torch_engine``'s plan (8-bit or 4-bit state, fp32 or bf16 parameters, CPU): gather what a
     packed chunk needs into scratch, one kernel call, scatter back. ``keys_mv``: the moments' stream key per tensor
-    slot. Returns ``{slot: blocks}``: the 256-element blocks left as they were for a non-finite gradient."""
+    slot. Returns ``{slot: blocks}``: the 256-element blocks left as they were for a non-finite new ``v``."""
     tables = ch.fused
     if tables is None:
         tables = ch.fused = _ChunkTables(layout, ch)

@@ -40,10 +40,11 @@ for a CPU:
   NaN the reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
   ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
-* Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose gradient holds a NaN or an
-  infinity keeps its parameter, moments and scales): one sum of the gathered gradient, in cache, tells whether a chunk
-  has any; only then are the parameter and state elements of its bad blocks copied before the update and written back
-  after it (the update itself runs as always, its NaN paths above included). The numba loop skips such blocks itself.
+* Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose new ``v`` holds a NaN or an
+  infinity keeps its parameter, moments and scales): one sum of the gathered gradient's squares, in cache, tells
+  whether a chunk may have any; only then are the new ``v`` of its blocks computed and the parameter and state
+  elements of its bad blocks copied before the update and written back after it (the update itself runs as always,
+  its NaN paths above included). The numba loop skips such blocks itself.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
@@ -568,15 +569,18 @@ def _stream_keys(tkeys: np.ndarray, mixed_step: int, stream: int) -> list[int]:
     return _mix32_np(x).tolist()
 
 
-def _kept_blocks(layout: _Layout, ch: _Chunk, grads) -> list[tuple[int, int, list]]:
-    """Before the update of a chunk with a non-finite gradient element: for each of its pieces whose gradient has
-    blocks of ``reference.BLOCK`` elements that are not finite (``reference.nonfinite_blocks``), ``(slot, blocks,
-    [(tensor, selection, copy)])``: the parameter's and the state's elements of those blocks as they are, in the
-    tensors that keep them between steps, which :func:`_restore_blocks` writes back after the chunk. A piece starts at
-    a block boundary of its tensor (a multiple of CHUNK, or 0)."""
+def _kept_blocks(layout: _Layout, ch: _Chunk, o: _Operands, scalars) -> list[tuple[int, int, list]]:
+    """Before the update of a chunk whose new ``v`` may not be finite: for each of its pieces with blocks of
+    ``reference.BLOCK`` elements whose new ``v`` holds a NaN or an infinity (``reference.nonfinite_blocks``, computed
+    from the gathered gradient and decoded ``v`` as the update will), ``(slot, blocks, [(tensor, selection, copy)])``:
+    the parameter's and the state's elements of those blocks as they are, in the tensors that keep them between steps,
+    which :func:`_restore_blocks` writes back after the chunk. A piece starts at a block boundary of its tensor (a
+    multiple of CHUNK, or 0)."""
+    beta2, one_minus_beta2 = scalars[2], scalars[3]
     kept = []
-    for slot, a, k, _, _ in ch.segs:
-        bad = ref.nonfinite_blocks(grads[slot].reshape(-1)[a : a + k])
+    for slot, a, k, off, _ in ch.segs:
+        g = o.G[off : off + k]
+        bad = ref.nonfinite_blocks(o.V[off : off + k] * beta2 + (g * g) * one_minus_beta2)
         count = int(bad.sum())
         if not count:
             continue
@@ -621,12 +625,10 @@ class _Operands:
 
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter. Returns
-    ``(slot, blocks)`` of the pieces whose blocks with a non-finite gradient were left as they were (usually none:
-    one sum of the gathered gradient, in cache, tells whether any element is not finite)."""
+    ``(slot, blocks)`` of the pieces whose blocks with a non-finite new ``v`` were left as they were (usually none:
+    one sum of the gathered gradient's squares, in cache, tells whether any new ``v`` may not be finite)."""
     b = sc.upto(ch.length, layout.block or ref.BLOCK)
     o = _gather(layout, ch, b, grads)
-    # a NaN or an infinity makes the sum non-finite (as may an fp32 overflow of finite values: then nothing is kept)
-    kept = None if math.isfinite(float(o.G.sum())) else _kept_blocks(layout, ch, grads)
     if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
         b.m.copy_(ref.dequantize_m(o.m_state, o.m_scale).reshape(-1))
         b.v.copy_(ref.dequantize_v(o.v_state, o.v_scale).reshape(-1))
@@ -634,6 +636,9 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         m, v = ref.dequantize_mv4(o.m_state, o.m_scale, o.v_scale)
         b.m.copy_(m.reshape(-1))
         b.v.copy_(v.reshape(-1))
+    # A finite sum of the squared gradient means every square is finite, and so is every new v (a convex combination
+    # of finite values); otherwise (a NaN, an infinity, or squares too large to sum) each block is looked at.
+    kept = None if math.isfinite(float(torch.dot(o.G, o.G))) else _kept_blocks(layout, ch, o, k)
     moments_nan = _update(layout, ch, b, o, k, maximize)
     _round_and_encode(layout, ch, sc.c, b, o, k, keys_mv, keys_p, stochastic_p, moments_nan)
     return _restore_blocks(kept) if kept else ()

@@ -110,11 +110,12 @@ class ApexW(torch.optim.Optimizer):
             Smaller saves GPU memory and hides less of the copies behind backward (docs/gradient_release.md, "State
             offload", has the measured trade-off).
         nonfinite: what a non-finite gradient does. Either way a block of 256 elements whose gradient holds a NaN or an
-            infinity is not updated (its parameter elements, moments and scales keep their values; every other block
-            is updated as usual: :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted
-            (:attr:`nonfinite_skipped`). ``"skip"`` (default): training goes on, and a warning names the first
-            parameter that had one, at the next step on the CPU, within a few steps on a GPU (its counters are read
-            without waiting for the device, :mod:`apexw_hf.optim.nonfinite`). ``"raise"``: the step that skipped
+            infinity (or a value whose square overflows fp32, which would make ``v`` infinite) is not updated (its
+            parameter elements, moments and scales keep their values; every other block is updated as usual:
+            :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted (:attr:`nonfinite_skipped`).
+            ``"skip"`` (default): training goes on, and a warning names the first parameter that had one, at the next
+            step on the CPU, within a few steps on a GPU (its counters are read without waiting for the device,
+            :mod:`apexw_hf.optim.nonfinite`). ``"raise"``: the step that skipped
             raises ``FloatingPointError`` naming the parameter, after its update (one host-device synchronization per
             step).
 

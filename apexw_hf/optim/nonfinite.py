@@ -1,7 +1,8 @@
 """What ApexW does with non-finite gradients: it skips them, counts them, warns once it sees them, or raises.
 
-Every engine leaves a block of 256 elements whose gradient holds a NaN or an infinity un-updated: parameter, moments
-and block scales keep their values (``reference.nonfinite_blocks``, which says why blocks). The engines count
+Every engine leaves a block of 256 elements whose gradient holds a NaN or an infinity (or a value whose square
+overflows fp32: any block whose new ``v`` is not finite) un-updated: parameter, moments and block scales keep their
+values (``reference.nonfinite_blocks``, which says why blocks and why ``v``). The engines count
 what they skip on the parameters' device, into one int32 tensor per device:
 
 * ``[0]``: the number of the last optimizer step that skipped a block (the Triton kernel swaps it in atomically, so

@@ -156,7 +156,7 @@ def special_values(fmt, dtype):
     for step in range(4):
         g = torch.randn(n, generator=gen)
         g[256:512] = 0.0  # an all-zero block
-        g[512] = 1e30  # a block with one huge value
+        g[512] = 1e18  # a block with one huge value (its square is finite)
         g[600:604] = torch.tensor([1e-40, -1e-42, -0.0, 0.0])
         if step == 1:
             g[768] = float("inf")
@@ -164,17 +164,19 @@ def special_values(fmt, dtype):
             g[1290] = float("inf")  # in the partial last block: its padding must stay zero next step
         if step == 2:
             g[1030] = float("nan")
+        if step == 3:
+            g[900] = 3e19  # finite, but its square overflows fp32: v would be infinite
         other = torch.randn(700, generator=gen)
         other[::50] = 0.0
         steps.append([g, torch.zeros(300), other, torch.full((5,), 1e-30)])
     opt_a, pa, opt_b, pb = twins(values, dtype, state_format=fmt, lr=1e-3, seed=5)
     run(opt_a, pa, opt_b, pb, steps)
     assert_same(opt_a, pa, opt_b, pb)
-    # the blocks with an inf (768, 800: one block; 1290) or a NaN (1030) gradient were skipped, as the reference does;
-    # in fp16 the gradient 1e30 (block 2) is an inf at every step
+    # the blocks with an inf (768, 800: one block; 1290), a NaN (1030) or an overflowing square (900) in the gradient
+    # were skipped, as the reference does; in fp16 the gradients 1e18 (block 2) and 3e19 are infs
     fp16 = dtype == torch.float16
-    assert opt_a.nonfinite_skipped == (4 if fp16 else 2)
-    assert opt_a._nonfinite._read()[torch.device("cpu")][2] == (7 if fp16 else 3)  # blocks of tensor index 0
+    assert opt_a.nonfinite_skipped == (4 if fp16 else 3)
+    assert opt_a._nonfinite._read()[torch.device("cpu")][2] == (8 if fp16 else 4)  # blocks of tensor index 0
     assert torch.isfinite(pa[2].detach()).all()
 
 

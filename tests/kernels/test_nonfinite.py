@@ -29,6 +29,8 @@ def _grads(shapes, step, dtype, gen):
         grads[2].view(-1)[:] = float("-inf")  # the whole tensor
     if step == 3:
         grads[0].view(-1)[0] = float("inf")
+        # finite, but its square overflows fp32: v would be infinite (in fp16, already infinite itself)
+        grads[1].view(-1)[0] = 3e19
     return [g.to(dtype).to(DEVICE) for g in grads]
 
 

@@ -27,6 +27,7 @@ from apexw_hf.engines.triton.kernels._quant import (
     quant_m,
     quant_mv4,
     quant_v,
+    row_max_bits,
 )
 
 from .helpers import DEVICE, mismatch, same_bits
@@ -50,7 +51,7 @@ def _encode_kernel(x_ptr, bits_ptr, code_ptr, scale_ptr, prev_ptr, n, beta2, V: 
     one = (n > 0).to(tl.uint32)
     if V:
         prev = tl.load(prev_ptr + row + tl.arange(0, 1))
-        c, s = quant_v(x, mask, bits, one, prev, beta2)
+        c, s = quant_v(x, row_max_bits(x, mask), bits, one, prev, beta2)
     else:
         c, s = quant_m(x, mask, bits, one)
     tl.store(code_ptr + offs, c, mask=mask)
@@ -358,7 +359,8 @@ def _encode4_kernel(m_ptr, v_ptr, bits_ptr, code_ptr, ms_ptr, vs_ptr, prev_ptr, 
     one = (n > 0).to(tl.uint32)
     blk = row * 2 + tl.arange(0, 2)
     prev = tl.load(prev_ptr + blk, mask=blk * 128 < n, other=0.0)
-    c, sm, sv = quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN)
+    vmax = row_max_bits(tl.reshape(v, (2, 128)), tl.reshape(mask, (2, 128)))
+    c, sm, sv = quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN)
     tl.store(code_ptr + offs, c, mask=mask)
     tl.store(ms_ptr + blk, sm, mask=blk * 128 < n)
     tl.store(vs_ptr + blk, sv, mask=blk * 128 < n)

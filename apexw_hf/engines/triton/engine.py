@@ -132,9 +132,9 @@ class TritonEngine:
         self._scalars_key: tuple | None = None  # (step, lr, betas, eps, weight_decay) of the last uniform step
         self._scalars = None
         self._hp_memo: dict[int, tuple[tuple, dict[str, float]]] = {}  # id(group) -> (its raw values, step_hparams)
-        # Blocks with a non-finite gradient are left un-updated and counted (reference.nonfinite_blocks). Off only to
-        # time what that check costs (benchmarks/bench_step.py's _nocheck rows): the update then differs from the
-        # reference's on non-finite gradients.
+        # Blocks whose new v is not finite (a NaN or inf gradient, or a square that overflows) are left un-updated
+        # and counted (reference.nonfinite_blocks). Off only to time what that check costs (benchmarks/bench_step.py's
+        # _nocheck rows): the update then differs from the reference's on non-finite gradients.
         self.check_nonfinite = bool(check_nonfinite)
 
     def _hparams(self, group: dict) -> dict[str, float]:

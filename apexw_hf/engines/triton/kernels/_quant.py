@@ -213,10 +213,17 @@ def quant_m(m, mask, bits, one):
 
 
 @triton.jit
-def _envelope_scale(v, mask, prev, beta2, headroom: tl.constexpr):
+def row_max_bits(v, mask):
+    """Per row of ``v >= 0`` [R, B] (NaN allowed), the integer maximum of its fp32 bits over ``mask`` (uint32 [R]):
+    the absmax, a NaN above inf above every finite value. What :func:`v8_scale` and :func:`v4_scale` take, and what
+    the update kernel compares with inf's bits to skip a row whose ``v`` is not finite."""
+    return tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
+
+
+@triton.jit
+def _envelope_scale(amax, prev, beta2, headroom: tl.constexpr):
     """``reference._envelope_scale``: :func:`v8_scale` and :func:`v4_scale`, whose restarts put the scale at
     ``headroom`` times the absmax."""
-    amax = tl.max(tl.where(mask, f32_bits(v), 0), axis=1)
     a = amax.to(tl.float32, bitcast=True)
     env = prev * beta2
     s = tl.where(a <= env, env, a * headroom)
@@ -226,29 +233,30 @@ def _envelope_scale(v, mask, prev, beta2, headroom: tl.constexpr):
 
 
 @triton.jit
-def v8_scale(v, mask, prev, beta2):
-    """``reference.v8_scale`` of the rows of ``v >= 0`` [R, B] (NaN allowed): (fp32 scale bits [R], fp32 reciprocal
-    [R]). ``prev``: the fp32 scales stored before this step [R]; ``beta2``: the step's fp32 beta2.
+def v8_scale(vmax, prev, beta2):
+    """``reference.v8_scale`` of the rows of ``v >= 0`` (NaN allowed) whose absmax bits are ``vmax`` [R]
+    (:func:`row_max_bits`): (fp32 scale bits [R], fp32 reciprocal [R]). ``prev``: the fp32 scales stored before this
+    step [R]; ``beta2``: the step's fp32 beta2.
 
     The absmax is an integer max of the bits, as in :func:`block_scale` (NaN wins, made canonical); the envelope
     ``prev * beta2`` is kept while the absmax is at or below it, else the scale restarts at twice the absmax. The
     reciprocal of a zero scale is inf (see :func:`block_scale`).
     """
-    return _envelope_scale(v, mask, prev, beta2, V8_HEADROOM)
+    return _envelope_scale(vmax, prev, beta2, V8_HEADROOM)
 
 
 @triton.jit
-def quant_v(v, mask, bits, one, prev, beta2):
+def quant_v(v, vmax, bits, one, prev, beta2):
     """fp32 second moment [R, B] -> (uint8 e5m3 codes, fp32 scale bits [R]); nonzero v never gets code 0. Bits 6-21
-    of the 32 random ``bits`` round it (``reference.quantize_v``, 8-bit format version 3). ``prev`` and ``beta2`` as in
-    :func:`v8_scale`, ``one`` as in :func:`quant_m`.
+    of the 32 random ``bits`` round it (``reference.quantize_v``, 8-bit format version 3). ``vmax``, ``prev`` and
+    ``beta2`` as in :func:`v8_scale`, ``one`` as in :func:`quant_m`.
 
     The code is that of the bits of ``y * 2**-96`` (``y`` the normalized ``v``), as for ``m`` with ``2**-112`` (module
     docstring): for ``y >= 2**-30`` the product is exact and its bits are ``y``'s less ``96 << 23``, the reference's
     exponent offset; below, an fp32 subnormal rounded to a multiple of 2**-149 = 2**-53 * 2**-96, to nearest even,
     exactly the reference's ``bits(y + 2**-30) - (97 << 23)``.
     """
-    sbits, inv = v8_scale(v, mask, prev, beta2)
+    sbits, inv = v8_scale(vmax, prev, beta2)
     y = tl.minimum(tl.maximum(v * inv[:, None], 0.0), 1.0)
     x = (f32_bits(y * TWO_POW_M96) << 4) + (((bits << 2) & V8_RAND_MASK) | (one * V8_HALF))
     c = x >> 24
@@ -316,9 +324,9 @@ def dequant_mv4_words(w, m_scale, v_scale):
 
 
 @triton.jit
-def v4_scale(v, mask, prev, beta2):
-    """``reference.v4_scale`` of the rows of ``v >= 0`` [R, B]: :func:`v8_scale` with 4x headroom."""
-    return _envelope_scale(v, mask, prev, beta2, V4_HEADROOM)
+def v4_scale(vmax, prev, beta2):
+    """``reference.v4_scale`` of the rows whose absmax bits are ``vmax``: :func:`v8_scale` with 4x headroom."""
+    return _envelope_scale(vmax, prev, beta2, V4_HEADROOM)
 
 
 @triton.jit
@@ -346,12 +354,13 @@ def v4_code(y, bits):
 
 
 @triton.jit
-def quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
+def quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R], both
     fp32): scales of 128-element blocks; bits 0-7 of the 32 random ``bits`` round ``m``, bits 8-23 round ``v``
-    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 3). ``one``: [2 *
-    R, 1], as in :func:`quant_m`; ``prev``: the fp32 ``v`` scales stored before this step [2 * R]; ``beta2``: the
-    step's fp32 beta2. ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
+    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 3). ``vmax``: the
+    absmax bits of ``v``'s 128-element blocks [2 * R] (:func:`row_max_bits`); ``one``: [2 * R, 1], as in
+    :func:`quant_m`; ``prev``: the fp32 ``v`` scales stored before this step [2 * R]; ``beta2``: the step's fp32 beta2.
+    ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
 
     The ``m`` code lands in bits 28-30 of ``xm`` (module docstring); the sign is set after the codes are joined.
     """
@@ -362,7 +371,7 @@ def quant_mv4(m, v, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     bits = tl.reshape(bits, (2 * R, 128))
     a = tl.abs(m)
     msb, minv = block_scale_f32(a, mask, not EVEN)
-    vsb, vinv = v4_scale(v, mask, prev, beta2)
+    vsb, vinv = v4_scale(vmax, prev, beta2)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))

@@ -17,9 +17,9 @@ Random bits for stochastic rounding come from the counter-based hash of (seed, t
 computed in the kernel from a per-tensor key and ``mix32(step)`` (mixed on the host), so nothing but that number
 changes from step to step.
 
-A row of the tile whose gradient holds a NaN or an infinity is not written at all (``reference.nonfinite_blocks``,
-``SKIP_NONFINITE``): a reduction of the row's loaded gradient masks the stores (not the loads, which do not wait for
-it), and the program adds the rows it skipped to the optimizer's counters last (:func:`_count_skipped`).
+A row of the tile whose new ``v`` holds a NaN or an infinity is not written at all (``reference.nonfinite_blocks``,
+``SKIP_NONFINITE``): the row's maximum of ``v``'s bits (the one the 8-bit and 4-bit scales take) masks the stores,
+and the program adds the rows it skipped to the optimizer's counters last (:func:`_count_skipped`).
 
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
 ``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
@@ -43,6 +43,7 @@ from ._quant import (
     quant_m,
     quant_mv4,
     quant_v,
+    row_max_bits,
 )
 from ._rounding import (
     GOLDEN,
@@ -107,7 +108,7 @@ def _load_f32(ptr, offs, mask, DTYPE: tl.constexpr, WORDS: tl.constexpr, ALIGNED
 
 @triton.jit
 def _store_f32_runs(ptr, x, rows, rest, keep):
-    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) where ``keep`` ([R], the non-finite gradient
+    """Store an fp32 [R, 256] tile of whole rows (``rows * 256 < rest``) where ``keep`` ([R], the non-finite ``v``
     check) as two [R, 32, 4] halves.
 
     Each thread holds 8 consecutive elements of the tile, and a store of 8 fp32 per thread is given a layout of 4
@@ -255,28 +256,12 @@ def _adamw_kernel(
             g = _scaled(g, tl.load(gscale_ptr), G_DTYPE)
         if MAXIMIZE:
             g = -g
-        if SKIP_NONFINITE:
-            # reference.nonfinite_blocks: a row of the tile (256 elements) with a NaN or infinite gradient is not
-            # written (its parameter, moments and scales keep their values): the masks of every store below lose it.
-            # Loads keep their masks, so they do not wait for this reduction; the store masks stay constant along a
-            # row, so stores stay vector instructions.
-            # [ROWS]: 0 for NaN and +-inf, whose bits without the sign are the largest (an integer maximum of the
-            # bits: 24 fewer sm_90 instructions per 256-element program than a float comparison and a select)
-            ok_row = (tl.max(g.to(tl.uint32, bitcast=True) & 0x7FFFFFFF, axis=1) < 0x7F800000).to(tl.int32)
-            smask = mask & (ok_row[:, None] != 0)
-            w2smask = w2mask & (ok_row[:, None] != 0)
-        else:
-            smask = mask
-            w2smask = w2mask
         p_ptr = _base(p_addr, start, P_DTYPE, ALIGNED)
         p = _load_f32(p_ptr, offs, mask, P_DTYPE, WORDS, ALIGNED, w2offs, w2mask)
         if FMT == "4bit":
             # One scale per 128 elements and moment: blocks 2 * row and 2 * row + 1 of the chunk.
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
-            sbmask = bmask  # the blocks whose scales are stored
-            if SKIP_NONFINITE:
-                sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
             # format version 3: both scales are fp32 (v's an envelope that the encoding reads back)
             ms_addr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t)
@@ -298,9 +283,6 @@ def _adamw_kernel(
                 m, v = dequant_mv4(tl.load(mv_ptr + offs, mask=mask, other=0), msc, vsc)
         elif FMT == "8bit":
             bmask = rows < (rest + QBLOCK - 1) // QBLOCK
-            sbmask = bmask  # the blocks whose scales are stored
-            if SKIP_NONFINITE:
-                sbmask = bmask & (ok_row != 0)
             blk0 = start // QBLOCK
             ms_addr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t)
             ms_ptr = ms_addr.to(tl.pointer_type(tl.uint16)) + blk0
@@ -336,6 +318,36 @@ def _adamw_kernel(
 
         m = m * beta1 + g * one_minus_beta1
         v = v * beta2 + (g * g) * one_minus_beta2
+        # the absmax of v for its scales (8-bit [ROWS], 4-bit [2 * ROWS]), which the check below reads too
+        if FMT == "8bit":
+            vmax = row_max_bits(v, mask)
+            sbmask = bmask  # the blocks whose scales are stored
+        elif FMT == "4bit":
+            vmax = row_max_bits(tl.reshape(v, (2 * ROWS, QBLOCK4)), tl.reshape(mask, (2 * ROWS, QBLOCK4)))
+            sbmask = bmask
+        if SKIP_NONFINITE:
+            # reference.nonfinite_blocks: a row of the tile (256 elements) whose new v holds a NaN or an infinity (a
+            # NaN or infinite gradient, or one whose square overflows) is not written (its parameter, moments and
+            # scales keep their values): the masks of every store below lose it. Loads do not wait for this; the
+            # store masks stay constant along a row, so stores stay vector instructions.
+            # [ROWS]: v >= 0 (or NaN), so its bits are at least inf's exactly when it is not finite: an integer maximum
+            # of the bits, which the 8-bit and 4-bit scales take anyway
+            if FMT == "8bit":
+                vrow = vmax
+            elif FMT == "4bit":
+                vrow = tl.max(tl.reshape(vmax, (ROWS, 2)), axis=1)  # both blocks of a row
+            else:
+                vrow = tl.max(v.to(tl.uint32, bitcast=True), axis=1)
+            ok_row = (vrow < 0x7F800000).to(tl.int32)
+            smask = mask & (ok_row[:, None] != 0)
+            w2smask = w2mask & (ok_row[:, None] != 0)
+            if FMT == "8bit":
+                sbmask = bmask & (ok_row != 0)
+            elif FMT == "4bit":
+                sbmask = bmask & (tl.reshape(tl.join(ok_row, ok_row), (2 * ROWS,)) != 0)  # both blocks of a row
+        else:
+            smask = mask
+            w2smask = w2mask
 
         # The moments are stored first: they are final here, and nothing computed for them (predicates included) then
         # stays live across the branches of the IEEE square root and division below.
@@ -351,7 +363,7 @@ def _adamw_kernel(
                 tl.store(v_ptr + offs, f32_to_bf16_bits_stochastic(v, bits_mv << 16), mask=smask)
             elif FMT == "4bit":
                 one = bmask.to(tl.uint32)[:, None]  # [2 * ROWS, 1], see quant_m
-                cmv, sm, sv = quant_mv4(m, v, mask, bits_mv, one, vsc, beta2, EVEN)
+                cmv, sm, sv = quant_mv4(m, v, vmax, mask, bits_mv, one, vsc, beta2, EVEN)
                 tl.store(mv_ptr + offs, cmv, mask=smask)
                 tl.store(ms_ptr + srows, sm, mask=sbmask)
                 tl.store(vs_ptr + srows, sv, mask=sbmask)
@@ -359,7 +371,7 @@ def _adamw_kernel(
                 # 1 for every row that is stored, a value the compiler cannot fold (see quant_m)
                 one = bmask.to(tl.uint32)[:, None]
                 cm, sm = quant_m(m, mask, bits_mv, one)
-                cv, sv = quant_v(v, mask, bits_mv, one, vsc, beta2)
+                cv, sv = quant_v(v, vmax, bits_mv, one, vsc, beta2)
                 tl.store(mc_ptr + offs, cm, mask=smask)
                 tl.store(vc_ptr + offs, cv, mask=smask)
                 tl.store(ms_ptr + rows, sm, mask=sbmask)
