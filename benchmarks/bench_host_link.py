@@ -113,9 +113,11 @@ def measure(gib: float, repeats: int) -> dict:
     assert bool((dev_b == 1).all()) and bool((host_b == 2).all())
     from apexw_hf.provenance import source_commit
 
+    commit, dirty = source_commit()
     return {
         "gpu": torch.cuda.get_device_name(),
-        "commit": source_commit()[0],
+        "commit": commit,
+        "dirty": dirty,  # tracked files differ from that commit (a copy of a working tree: set APEXW_COMMIT)
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "bytes": n,
