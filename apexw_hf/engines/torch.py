@@ -41,10 +41,10 @@ for a CPU:
   ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). fp16 parameters with
   stochastic rounding always use ``reference.round_param``.
 * Non-finite gradients (``reference.nonfinite_blocks``: a 256-element block whose new ``v`` holds a NaN or an
-  infinity keeps its parameter, moments and scales): one sum of the gathered gradient's squares, in cache, tells
-  whether a chunk may have any; only then are the new ``v`` of its blocks computed and the parameter and state
-  elements of its bad blocks copied before the update and written back after it (the update itself runs as always,
-  its NaN paths above included). The numba loop skips such blocks itself.
+  infinity keeps its parameter, moments and scales): a sum of the gathered gradient's squares and of the decoded
+  ``v``, in cache, tells whether a chunk may have any; only then are the new ``v`` of its blocks computed and the
+  parameter and state elements of its bad blocks copied before the update and written back after it (the update
+  itself runs as always, its NaN paths above included). The numba loop skips such blocks itself.
 
 The elementwise passes over one chunk are in :mod:`apexw_hf.engines.torch_passes`; this module plans the chunks and
 moves the data. With ``8bit`` or ``4bit`` state on the CPU (fp32 or bf16 parameters) and numba installed, each chunk
@@ -626,7 +626,8 @@ class _Operands:
 def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, keys_p, maximize, stochastic_p):
     """One chunk: gather, the reference's update in its operation order, rounding and encoding, scatter. Returns
     ``(slot, blocks)`` of the pieces whose blocks with a non-finite new ``v`` were left as they were (usually none:
-    one sum of the gathered gradient's squares, in cache, tells whether any new ``v`` may not be finite)."""
+    a sum of the gathered gradient's squares and of the decoded ``v``, in cache, tells whether any new ``v`` may not
+    be finite)."""
     b = sc.upto(ch.length, layout.block or ref.BLOCK)
     o = _gather(layout, ch, b, grads)
     if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
@@ -636,9 +637,11 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
         m, v = ref.dequantize_mv4(o.m_state, o.m_scale, o.v_scale)
         b.m.copy_(m.reshape(-1))
         b.v.copy_(v.reshape(-1))
-    # A finite sum of the squared gradient means every square is finite, and so is every new v (a convex combination
-    # of finite values); otherwise (a NaN, an infinity, or squares too large to sum) each block is looked at.
-    kept = None if math.isfinite(float(torch.dot(o.G, o.G))) else _kept_blocks(layout, ch, o, k)
+    # Every new v = v * beta2 + g * g * (1 - beta2) is finite when the squared gradient and the decoded v (both >= 0)
+    # sum to less than 2**127: each term is then below half the fp32 maximum. Otherwise (a NaN, an infinity, a stored
+    # v that decodes to one, or sums that large) each block's new v is looked at.
+    total = float(torch.dot(o.G, o.G)) + float(o.V[: ch.length].sum())
+    kept = None if total < 2.0**127 else _kept_blocks(layout, ch, o, k)
     moments_nan = _update(layout, ch, b, o, k, maximize)
     _round_and_encode(layout, ch, sc.c, b, o, k, keys_mv, keys_p, stochastic_p, moments_nan)
     return _restore_blocks(kept) if kept else ()

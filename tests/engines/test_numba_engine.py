@@ -12,6 +12,7 @@ fp32 range, thread counts, and the fallback when numba cannot be imported.
 
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -175,13 +176,12 @@ def test_codes_at_every_boundary(fmt, top, moment):
     _one_step([torch.randn(g.numel(), generator=gen)], [g], fmt=fmt, **kw)
 
 
-@needs_numba
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_code_decoded_under_extreme_scales(fmt, dtype):
+def test_every_code_decoded_under_extreme_scales(path, fmt, dtype):
     """Every code of both moments (those above the largest the encoder writes too; 4-bit: every byte) under block
     scales 0, bf16 subnormal, ordinary, huge (2**8 * scale overflowing too), inf and NaN, then a step with zero and
-    with random gradients."""
+    with random gradients: the blocks whose decoded ``v`` is not finite are skipped as the reference skips them."""
     codes = torch.arange(256, dtype=torch.uint8)
     scales = [0.0, 2.0**-133, 1.0, 0.73, 3e38, float("inf"), float("nan"), 2.0**-126, 2.0**119, 2.0**120, 3.3e38]
     if fmt == "8bit":
@@ -203,9 +203,11 @@ def test_every_code_decoded_under_extreme_scales(fmt, dtype):
                 state["exp_avg_mv"].copy_(codes)
             state["exp_avg_scale"].copy_(scales)
             state["exp_avg_sq_scale"].copy_(scales.flip(0))
-        cases.run(opt_a, pa, opt_b, pb, [[g]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the skipped blocks' warning
+            cases.run(opt_a, pa, opt_b, pb, [[g]])
         assert_same(opt_a, pa, opt_b, pb)
-        assert opt_a._cpu_engine.numba_used
+        assert opt_a.nonfinite_skipped == 1
 
 
 @needs_numba
