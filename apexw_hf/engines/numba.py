@@ -168,6 +168,14 @@ def inverse_f32(scale_bits):
 
 
 @njit(inline="always")
+def v4_decoded(byte, scale):
+    """The 4-bit ``v`` of a codes byte (its high nibble ``c``): ``2**(2 c - 30)`` times ``scale``, 0 for code 0."""
+    cv = u32(byte) >> S4
+    av = bits_f32(u32((cv + cv + V4_VAL_OFF) << S23))
+    return (av if cv >= ONE_BITS else F_ZERO) * scale
+
+
+@njit(inline="always")
 def v4_code(y, w):
     """``reference.v4_code`` of one fp32 ``y`` in [0, 1] with the random word ``w``: 0 below 2**-28."""
     b = f32_bits(y)
@@ -219,10 +227,8 @@ def nonfinite_v4(codes, v_scale, g32, g16, b, nv, beta2, omb2):
     base = b * BLOCK4
     bad = 0
     for j in range(nv):
-        cv = u32(codes[base + j]) >> S4
-        av = bits_f32(u32((cv + cv + V4_VAL_OFF) << S23))
         g = g32[base + j] if g32.shape[0] else bits_f32(u32(g16[base + j]) << S16)
-        v = (av if cv >= ONE_BITS else F_ZERO) * sv * beta2 + (g * g) * omb2
+        v = v4_decoded(codes[base + j], sv) * beta2 + (g * g) * omb2
         bad += 0 if v < F_INF else 1
     return bad
 
@@ -399,9 +405,7 @@ def step_4bit(
                 a = bits_f32(u32((mag + M4_OFF) << S23))
                 a = a if mag >= ONE_BITS else F_ZERO
                 m = (-a if cm >= SIGN3 else a) * sm
-                cv = byte >> S4
-                av = bits_f32(u32((cv + cv + V4_VAL_OFF) << S23))
-                v = (av if cv >= ONE_BITS else F_ZERO) * sv
+                v = v4_decoded(byte, sv)
                 m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
                 pbuf[j] = p
                 mbuf[j] = m

@@ -115,9 +115,8 @@ class ApexW(torch.optim.Optimizer):
             :func:`apexw_hf.reference.nonfinite_blocks` says why per block) and is counted (:attr:`nonfinite_skipped`).
             ``"skip"`` (default): training goes on, and a warning names the first parameter that had one, at the next
             step on the CPU, within a few steps on a GPU (its counters are read without waiting for the device,
-            :mod:`apexw_hf.optim.nonfinite`). ``"raise"``: the step that skipped
-            raises ``FloatingPointError`` naming the parameter, after its update (one host-device synchronization per
-            step).
+            :mod:`apexw_hf.optim.nonfinite`). ``"raise"``: the step that skipped raises ``FloatingPointError`` naming
+            the parameter, after its update (one host-device synchronization per step).
 
     Example:
         >>> import torch

@@ -336,7 +336,7 @@ def _adamw_kernel(
                 vrow = vmax
             elif FMT == "4bit":
                 vrow = tl.max(tl.reshape(vmax, (ROWS, 2)), axis=1)  # both blocks of a row
-            else:
+            else:  # no mask: past the tensor's end v is 0 (or NaN with a NaN grad_scale, as in the row's elements)
                 vrow = tl.max(v.to(tl.uint32, bitcast=True), axis=1)
             ok_row = (vrow < 0x7F800000).to(tl.int32)
             smask = mask & (ok_row[:, None] != 0)
