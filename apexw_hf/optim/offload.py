@@ -49,7 +49,9 @@ how the tests check it.
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
+import weakref
 
 import torch
 
@@ -135,12 +137,47 @@ def local_ranks() -> int:
         return 1
 
 
+class _DriverCopies:
+    """Copies between pinned host memory and the device queued with the CUDA driver's ``cuMemcpyAsync`` on a given
+    stream (the direction follows from the addresses: CUDA's unified addressing). A piece's state moves in a few
+    copies each way, and ``Tensor.copy_`` spends most of the offload's host time per piece (dispatch, the pinned
+    allocator's bookkeeping, a stream switch around it: docs/gradient_release.md, "State offload"); this queues the
+    same copy on the same stream. Used where the caller's current device is the offload's (the driver copies within
+    the current context): the stagers' copies; the prefetch at a step's end goes through ``Tensor.copy_``.
+
+    The pinned allocator is not told of these copies: the host blocks they touch live as long as the
+    :class:`StateOffload`, whose collection waits for its copy streams first."""
+
+    def __init__(self):
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
+        except (OSError, AttributeError) as e:
+            raise RuntimeError(f"state_offload=True: the CUDA driver library (libcuda.so.1) did not load: {e}") from e
+        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        err = self._fn(dst, src, nbytes, stream)
+        if err:
+            raise RuntimeError(f"state offload: cuMemcpyAsync of {nbytes} bytes failed with CUDA error {err}")
+
+
+def _drain(streams: list) -> None:
+    """Wait for ``streams`` (a collected offload's copy streams: their copies may still touch its host blocks)."""
+    for s in streams:
+        s.synchronize()
+
+
 class _Piece:
     """Work items ``programs = (first, end)`` of one launch plan and the state they update: ``ranges``, one
     ``(plan position, param, key, first unit, end unit, bytes per unit, offset in the slot)`` per state tensor range
     (a unit is an element, or a block for the block scales), ``size`` bytes in a slot."""
 
-    __slots__ = ("cut", "programs", "ranges", "params", "tensors", "size", "tables", "copies", "spans")
+    __slots__ = (
+        "cut", "programs", "ranges", "params", "tensors", "size", "tables", "copies", "spans", "placed", "out_slot",
+        "overlapping",
+    )
 
     def __init__(self, cut: tuple, programs: tuple[int, int], ranges: list, params: list, tensors: int):
         # ``cut``: (launch key, plan index), one object shared by the pieces of one cut (compared by identity: a launch
@@ -153,7 +190,13 @@ class _Piece:
         for _, p, k, u0, u1, _, _ in ranges:
             self.spans.setdefault((id(p), k), []).append((u0, u1))
         self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
-        self.copies: dict[int, tuple[int, list]] = {}  # slot index -> (its buffer's address, [(host, slot) views])
+        # slot index -> (its buffer's address, [(host, slot) views], [(host address, slot address, bytes)] or None
+        # where a view is not of the host blocks)
+        self.copies: dict[int, tuple[int, list, list | None]] = {}
+        self.placed = False  # its params' host state exists
+        self.out_slot: int | None = None  # the slot its last copy out read (CUDA)
+        # (cuts version, the pieces whose state overlaps this one's, itself included): StateOffload._overlapping
+        self.overlapping: tuple[int, list[_Piece]] | None = None
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
 
 
@@ -199,13 +242,20 @@ class _On:
 
 class _Slot:
     """One device buffer and what it holds: the ``piece`` whose state is there (None: nothing usable), and the events
-    of its last copy in and copy out."""
+    of its last copy in and copy out.
+
+    A slot's events are made once and recorded again for each copy (an event waited for stands for its last record at
+    the time of the wait). The copy-out event then stands for later copies out of the slot too, which run after the
+    one a wait needs on the same in-order stream: waiting for it is never too early, and in a step of the learned
+    order never later than the copy in's wait for its own slot's last copy out (a piece comes back to the same
+    slot)."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
         self.piece: _Piece | None = None
-        self.copied_in = None  # event: the copy in of ``piece`` (waited for by the launch)
-        self.copied_out = None  # event: the last copy out of this slot (waited for by the next copy in)
+        self.copied_in = None  # the copy in of ``piece`` not yet waited for by a launch: ``in_event``, else None
+        self.copied_out = None  # after the slot's first copy out: ``out_event`` (waited for by the next copy in)
+        self.in_event = self.out_event = self.launched = None  # CUDA events, made on first use
 
 
 class StateOffload:
@@ -227,6 +277,7 @@ class StateOffload:
         self.piece_bytes = PIECE_BYTES if piece_bytes is None else piece_bytes
         self.device: torch.device | None = None
         self._h2d = self._d2h = None  # side streams (CUDA)
+        self._raw: _DriverCopies | None = None  # (CUDA) the stagers' copies, on the streams' handles
         # the stream the launches run on, looked up once per launch plan by its stager (a lookup is several
         # microseconds of host time, and a piece made several), None outside a stager
         self._compute = None
@@ -234,8 +285,8 @@ class StateOffload:
         self._now: list[tuple[_Piece, dict]] = []  # this step's so far
         self._launched: set[_Piece] = set()  # this step's pieces (by identity)
         self._cuts: dict[tuple, tuple[object, list[_Piece]]] = {}  # (launch key, plan index) -> (plan, its pieces)
-        # (id(param), key) -> {(first unit, end unit): event after that range's last copy out} (CUDA)
-        self._host_ready: dict[tuple[int, str], dict[tuple[int, int], object]] = {}
+        self._cuts_version = 0  # changes whenever a cut is added or the cuts are forgotten (_Piece.overlapping)
+        self._barrier = None  # an event the next copy in waits for (a replaced cut's copies out; see _cut)
         self._blocks: list[torch.Tensor] = []  # the host memory the state tensors are views of (uint8)
         self._filling: int | None = None  # the block new state is taken from, and its first free byte
         self._free = 0
@@ -334,6 +385,8 @@ class StateOffload:
         if device.type == "cuda":
             self._h2d = torch.cuda.Stream(device)
             self._d2h = torch.cuda.Stream(device)
+            self._raw = _DriverCopies()
+            weakref.finalize(self, _drain, [self._h2d, self._d2h])
 
     # ---- one launch ------------------------------------------------------------------------------------------
 
@@ -372,6 +425,11 @@ class StateOffload:
         cached = self._cuts.get(key)
         if cached is not None and cached[0] is plan:
             return cached[1]
+        if cached is not None and self._d2h is not None and any(q.out_slot is not None for q in cached[1]):
+            # its pieces leave the cuts that _overlapping looks through, and their copies out may still run: every
+            # copy in from now on waits for the copies out queued so far (once: the copies in run in order)
+            self._barrier = torch.cuda.Event()
+            self._barrier.record(self._d2h)
         states = [_local_state(self.optimizer.state[p], p) for p in params]
         starts, per_item = plan.chunk_starts, plan.chunk_elements
         pieces, ranges, members, size, first = [], [], [], 0, 0
@@ -409,6 +467,7 @@ class StateOffload:
                     close(c)
         close(int(starts[-1]))
         self._cuts[key] = (plan, pieces)
+        self._cuts_version += 1
         return pieces
 
     def _stage(self, group: dict, piece: _Piece) -> int:
@@ -437,22 +496,21 @@ class StateOffload:
     def _done(self, slot: _Slot, piece: _Piece) -> None:
         """After the launch that updated ``slot``: copy it back to the host copies (on the copy-out stream, once the
         launch is done), and prefetch the next pieces."""
-        pairs = self._copies(self.slots.index(slot), piece)
+        index = self.slots.index(slot)
+        pairs, raw = self._copies(index, piece)
         if self._d2h is None:
             for dst, src in pairs:
                 dst.copy_(src)
         else:
-            launched = torch.cuda.Event()
-            launched.record(self._current())
-            with _On(self._d2h, self._compute):
-                self._d2h.wait_event(launched)
-                for dst, src in pairs:
-                    dst.copy_(src, non_blocking=True)
-                out = slot.copied_out = torch.cuda.Event()
-                out.record(self._d2h)
-                self._pump("out", SIDE_RATIO["out"] * piece.size, current=self._d2h)
-            for _, p, k, u0, u1, _, _ in piece.ranges:
-                self._host_ready.setdefault((id(p), k), {})[(u0, u1)] = out
+            if slot.launched is None:
+                slot.launched, slot.out_event = torch.cuda.Event(), torch.cuda.Event()
+            slot.launched.record(self._current())
+            self._d2h.wait_event(slot.launched)
+            self._move(self._d2h, pairs, raw, to_host=True)
+            slot.out_event.record(self._d2h)
+            slot.copied_out = slot.out_event
+            self._pump("out", SIDE_RATIO["out"] * piece.size)
+            piece.out_slot = index
         slot.copied_in = None  # the slot holds the updated state: it stays valid until overwritten
         self.bytes_out += piece.size
         self._prefetch(len(self._now))
@@ -485,8 +543,10 @@ class StateOffload:
         """Copy the host state of ``piece`` into slot ``index`` (growing it if needed), after the slot's last copy
         out and the last copy out of the same elements' state."""
         slot = self.slots[index]
-        for p in piece.params:
-            self.host_state(p, group)
+        if not piece.placed:
+            for p in piece.params:
+                self.host_state(p, group)
+            piece.placed = True
         fresh = slot.buffer is None or slot.buffer.numel() < piece.size
         if fresh:
             # the pieces' cached copies into this slot view its old buffer: dropped, so that buffer is freed
@@ -498,37 +558,59 @@ class StateOffload:
             if self._h2d is not None:  # used on the side streams: freed only after their work queued by then
                 slot.buffer.record_stream(self._h2d)
                 slot.buffer.record_stream(self._d2h)
-        pairs = self._copies(index, piece)
+        pairs, raw = self._copies(index, piece)
         slot.piece = piece
         if self._h2d is None:
             for h, d in pairs:
                 d.copy_(h)
         else:
-            compute = self._current() if fresh else None
-            with _On(self._h2d, self._compute):
-                if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
-                    self._h2d.wait_stream(compute)
-                if slot.copied_out is not None:
-                    self._h2d.wait_event(slot.copied_out)
-                for ready in self._ready_events(piece).values():
-                    self._h2d.wait_event(ready)
-                for h, d in pairs:
-                    d.copy_(h, non_blocking=True)
-                slot.copied_in = slot.copied_in or torch.cuda.Event()
-                slot.copied_in.record(self._h2d)
-                self._pump("in", SIDE_RATIO["in"] * piece.size, current=self._h2d)
+            if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
+                self._h2d.wait_stream(self._current())
+            if slot.copied_out is not None:
+                self._h2d.wait_event(slot.copied_out)
+            if self._barrier is not None:
+                self._h2d.wait_event(self._barrier)
+                self._barrier = None
+            for ready in self._ready_events(piece, slot.copied_out):
+                self._h2d.wait_event(ready)
+            self._move(self._h2d, pairs, raw, to_host=False)
+            if slot.in_event is None:
+                slot.in_event = torch.cuda.Event()
+            slot.in_event.record(self._h2d)
+            slot.copied_in = slot.in_event
+            self._pump("in", SIDE_RATIO["in"] * piece.size)
         self.bytes_in += piece.size
 
-    def _copies(self, index: int, piece: _Piece) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The (host, slot) byte views that move ``piece``'s state between the host and slot ``index``, made once per
-        piece and slot. Ranges that follow each other in a host block as in the slot (one tensor's range to its end,
+    def _move(self, stream, pairs: list, raw: list | None, to_host: bool) -> None:
+        """Queue the copies of ``pairs`` ((host, slot) views; ``raw`` their addresses and bytes) on ``stream``, to
+        the host or from it: through the driver (:class:`_DriverCopies`) inside a stager on the offload's device,
+        else with ``Tensor.copy_`` with ``stream`` current."""
+        if raw is not None and self._raw is not None and self._compute is not None:
+            handle = stream.cuda_stream
+            for h, d, n in raw:
+                if to_host:
+                    self._raw(h, d, n, handle)
+                else:
+                    self._raw(d, h, n, handle)
+            return
+        with _On(stream, self._compute):
+            for h, d in pairs:
+                if to_host:
+                    h.copy_(d, non_blocking=True)
+                else:
+                    d.copy_(h, non_blocking=True)
+
+    def _copies(self, index: int, piece: _Piece) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list | None]:
+        """The (host, slot) byte views that move ``piece``'s state between the host and slot ``index``, and their
+        (host address, slot address, bytes) where every view is of the host blocks (else None), made once per piece
+        and slot. Ranges that follow each other in a host block as in the slot (one tensor's range to its end,
         the next from its start at the next multiple of ALIGN in the block, as far from the first in the slot) are one
         copy: the bytes between them are padding on both sides."""
         slot = self.slots[index]
         base = slot.buffer.data_ptr()
         cached = piece.copies.get(index)
         if cached is not None and cached[0] == base:
-            return cached[1]
+            return cached[1], cached[2]
         host = {id(p): _local_state(self.optimizer.state[p], p) for p in piece.params}
         spans: list[list] = []  # [block or None, host start, host end, slot start, slot end, ends its tensor, view]
         for _, p, k, u0, u1, b, off in piece.ranges:
@@ -550,19 +632,44 @@ class StateOffload:
             (view if blk is None else self._blocks[blk][h0:h1], slot.buffer[s0:s1])
             for blk, h0, h1, s0, s1, _, view in spans
         ]
-        piece.copies[index] = (base, pairs)
-        return pairs
+        raw = None
+        if all(blk is not None for blk, *_ in spans):
+            raw = [(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in pairs]
+        piece.copies[index] = (base, pairs, raw)
+        return pairs, raw
 
-    def _ready_events(self, piece: _Piece) -> dict[int, object]:
-        """The events of the last copies out of host state that ``piece`` reads (by id, each once)."""
-        events = {}
-        for _, p, k, u0, u1, _, _ in piece.ranges:
-            ready = self._host_ready.get((id(p), k))
-            if ready:
-                for (v0, v1), e in ready.items():
-                    if v0 < u1 and u0 < v1:
-                        events[id(e)] = e
+    def _ready_events(self, piece: _Piece, waited=None) -> list:
+        """The events after the last copies out of host state that ``piece`` reads (each once, ``waited`` left out):
+        the copy-out events of the slots that the pieces overlapping it were last copied out of."""
+        events = []
+        for other in self._overlapping(piece):
+            if other.out_slot is not None:
+                e = self.slots[other.out_slot].out_event
+                if e is not waited and all(e is not x for x in events):
+                    events.append(e)
         return events
+
+    def _overlapping(self, piece: _Piece) -> list[_Piece]:
+        """``piece`` and the pieces of the other cuts whose state ranges overlap its own (computed again after a cut
+        is added): what a copy in of ``piece`` must find on the host."""
+        cached = piece.overlapping
+        if cached is not None and cached[0] == self._cuts_version:
+            return cached[1]
+        found = [piece]
+        mine = piece.spans
+        for _, pieces in self._cuts.values():
+            for other in pieces:
+                if other.cut is piece.cut or mine.keys().isdisjoint(other.spans):
+                    continue  # the pieces of one cut split its work items: disjoint
+                if any(
+                    v0 < u1 and u0 < v1
+                    for t in mine.keys() & other.spans.keys()
+                    for v0, v1 in mine[t]
+                    for u0, u1 in other.spans[t]
+                ):
+                    found.append(other)
+        piece.overlapping = (self._cuts_version, found)
+        return found
 
     def _drop_overlaps(self, index: int, piece: _Piece) -> None:
         """Forget every other slot's copy of state that ``piece`` updates: the launch about to run makes it stale."""
@@ -660,7 +767,7 @@ class StateOffload:
             s.piece, s.copied_in = None, None
         self._order, self._now, self._launched = [], [], set()
         self._cuts.clear()
-        self._host_ready.clear()
+        self._cuts_version += 1
 
     def abandon_step(self) -> None:
         """A backward pass that did not reach ``step()``: its launches so far are not an order to learn."""

@@ -176,9 +176,10 @@ def test_a_grown_device_buffer_is_not_kept_alive_by_cached_copies(monkeypatch):
     assert len({piece.size for piece in _pieces(off)}) > 1
     live = [s.buffer.data_ptr() for s in off.slots if s.buffer is not None]
     for piece in _pieces(off):
-        for index, (base, copies) in piece.copies.items():
+        for index, (base, copies, raw) in piece.copies.items():
             assert base == off.slots[index].buffer.data_ptr()
             assert all(dst.untyped_storage().data_ptr() in live for _, dst in copies)
+            assert raw is None or [(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in copies] == raw
 
 
 def test_export_and_dequantized_state_match_the_device_run():
@@ -399,6 +400,30 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup
             assert switches["set_stream"] > 0 and switches["stream"] <= 4 * (len(ob._offload.slots) - 1)
         else:
             assert switches["set_stream"] == 0 and switches["stream"] > 0
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams (the CUDA tests run the real ones)")
+@pytest.mark.parametrize("fmt", ["8bit", "4bit"])
+def test_a_changed_order_copies_in_after_the_other_cuts_copies_out(fmt, small_chunks, monkeypatch):
+    """A block frozen for a step (as in the test above) changes the buckets: that step's pieces overlap the learned
+    order's pieces in other ways, and their copies in must follow the copies out of the other cuts' pieces that last
+    wrote the same host state, wherever those went (without those waits this finds hazards)."""
+    with record_streams(monkeypatch) as rec:
+        _streams_on_the_cpu(monkeypatch, rec)
+        a, b = make(), make()
+        # small buckets: a bucket of the changed step then takes pieces of several learned ones
+        oa, ob = _opt(a, fmt, False, True, bucket=100), _opt(b, fmt, True, True, bucket=100)
+        for model, opt in ((a, oa), (b, ob)):
+            train(model, opt, 2)
+            for t, frozen in ((2, False), (3, True), (4, False), (5, False)):
+                for p in model.blocks[0].parameters():
+                    p.requires_grad_(not frozen)
+                train_from(model, opt, t)
+        cuts = {piece.cut for pieces in ob._offload._cuts.values() for piece in pieces[1]}
+        assert len(cuts) > len({piece.cut for piece in _pieces(ob._offload)})  # more than one step's cuts
+        assert rec.hazards() == []
+        assert any(len(ob._offload._overlapping(piece)) > 1 for piece in _pieces(ob._offload))
+        _same(a, b, oa, ob)
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams")
