@@ -148,7 +148,7 @@ def test_whole_tensors_move_in_one_copy_and_checkpoints_hold_only_the_state(fmt,
     off = opt._offload
     pieces = _pieces(off)
     assert all(len(piece.ranges) > 3 for piece in pieces)
-    assert all(len(copies) == 1 for piece in pieces for _, copies in piece.copies.values())
+    assert all(len(copies) == 1 for piece in pieces for _, copies, _ in piece.copies.values())
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     size = (tmp_path / "opt.pt").stat().st_size
     assert size < 2 * opt.state_bytes() + 2**20 < offload_mod.ARENA_BYTES
@@ -161,7 +161,7 @@ def test_whole_tensors_move_in_one_copy_and_checkpoints_hold_only_the_state(fmt,
     opt.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     assert [b.data_ptr() for b in off._blocks] == blocks and addresses() == before
     train_from(model, opt, 2)  # and the next step reads what was loaded there
-    assert all(len(copies) == 1 for piece in _pieces(off) for _, copies in piece.copies.values())
+    assert all(len(copies) == 1 for piece in _pieces(off) for _, copies, _ in piece.copies.values())
 
 
 def test_a_grown_device_buffer_is_not_kept_alive_by_cached_copies(monkeypatch):
