@@ -84,13 +84,6 @@ def default_layout(state_bytes: int) -> tuple[int, int]:
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, share)), DEFAULT_SLOTS + (share > DEEP_SHARE * PIECE_BYTES)
 
 
-# A tensor whose state fits in one piece is not split between two where the piece it would start in is at least this
-# full: it starts the next one. Each state tensor of a split tensor is a copy of its own each way in both pieces, where
-# whole tensors that follow each other in the host blocks are one copy; a copy is 10-20 us of host time (CUDA driver
-# call), and a 1B model's 32 MiB pieces, each about two MLP weights' state, took ~5 copies each way when filled to
-# the byte.
-WHOLE_FILL = 0.5
-
 ALIGN = 256  # bytes: every staged range starts at a multiple (16 is what the kernel's vector loads need)
 # Host state is taken from blocks of this many bytes (a parameter whose state is larger gets a block of its own): the
 # state tensors of consecutive parameters lie one after the other, each at a multiple of ALIGN, as a piece lays them
@@ -455,12 +448,8 @@ class StateOffload:
             # a range's bytes beyond its items': one unit more where it ends inside a block, and its alignment
             pad = sum(b + ALIGN for _, b in unit.values())
             c, c1 = int(starts[j]), int(starts[j + 1])
-            whole = (c1 - c) * item_bytes + pad <= self.piece_bytes  # the tensor's state fits in one piece
             while c < c1:
                 take = min(c1 - c, max((self.piece_bytes - size - pad) // item_bytes, 0))
-                if take < c1 - c and whole and c > first and size >= WHOLE_FILL * self.piece_bytes:
-                    close(c)  # it starts the next piece whole instead of being split between two
-                    continue
                 if take == 0:
                     if c > first:
                         close(c)
