@@ -3,6 +3,8 @@ through a few device buffers. On a GPU the buffers are CUDA memory and the copie
 interpreter's kernels update CPU buffers, and the same bucket pipeline (order learning, prefetch, misprediction,
 bounded slots, resume) runs with plain copies."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -340,9 +342,24 @@ def test_a_piece_holds_nearly_its_stated_bytes(fmt, monkeypatch):
     assert pieces[-1].size <= 20000
 
 
-def _streams_on_the_cpu(monkeypatch, rec):
+class _FakeDriver:
+    """:class:`offload._DriverCopies` on the CPU: each copy recorded on the stand-in stream of its handle, then done
+    at once (``ctypes.memmove``)."""
+
+    def __init__(self, rec, streams):
+        self.rec, self.streams, self.calls = rec, {s.cuda_stream: s for s in streams}, 0
+
+    def __call__(self, dst, src, nbytes, stream):
+        self.calls += 1
+        self.rec.op(self.streams[stream], "copy", reads=[(src, src + nbytes)], writes=[(dst, dst + nbytes)])
+        ctypes.memmove(dst, src, nbytes)
+
+
+def _streams_on_the_cpu(monkeypatch, rec, driver=False):
     """State offload on the CPU takes its CUDA path with the stand-in streams of ``rec``: side streams at binding, and
-    each launch recorded on the compute stream as writing the bytes of its device buffer that hold its piece."""
+    each launch recorded on the compute stream as writing the bytes of its device buffer that hold its piece.
+    ``driver``: the stagers' copies go through a stand-in of the CUDA driver's copy (:class:`_FakeDriver`), as on a
+    GPU, instead of ``Tensor.copy_``."""
     bind, done = offload_mod.StateOffload._bind, offload_mod.StateOffload._done
 
     def bind_streams(self, device):
@@ -350,6 +367,9 @@ def _streams_on_the_cpu(monkeypatch, rec):
         bind(self, device)
         if first:
             self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+            if driver:
+                self._h2d.cuda_stream, self._d2h.cuda_stream = 1, 2
+                self._raw = _FakeDriver(rec, [self._h2d, self._d2h])
 
     def launched(self, slot, piece):
         base = slot.buffer.data_ptr()
@@ -364,15 +384,18 @@ def _streams_on_the_cpu(monkeypatch, rec):
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 @pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("lookup", ["once", "each"])
-def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup, small_chunks, monkeypatch):
+@pytest.mark.parametrize("copier", ["copy_", "driver"])
+def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup, copier, small_chunks, monkeypatch):
     """The events the offload records and waits for order every copy and launch after whatever they must follow on a
     GPU: a copy in after the launch and copy out of what its buffer held and after the copy out that last wrote its
     host state, a launch after its copy in, a copy out after its launch (``fake_streams``: on the CPU every copy runs
     when issued, so only this check sees the order a GPU would run them in). ``lookup``: the stager looks the compute
     stream up once and switches streams with ``set_stream`` ("once"), or, where the current device is another than the
-    parameters', every switch goes through ``torch.cuda.stream`` ("each"), as the prefetch at a step's end does."""
+    parameters', every switch goes through ``torch.cuda.stream`` ("each"), as the prefetch at a step's end does.
+    ``copier``: the stagers' copies through ``Tensor.copy_`` or, as on a GPU, the CUDA driver (then with no stream
+    switch inside the stagers, and only where the current device is the parameters')."""
     with record_streams(monkeypatch) as rec:
-        _streams_on_the_cpu(monkeypatch, rec)
+        _streams_on_the_cpu(monkeypatch, rec, driver=copier == "driver")
         switches = {"set_stream": 0, "stream": 0}
         set_stream, stream = torch.cuda.set_stream, torch.cuda.stream
 
@@ -396,20 +419,26 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup
         assert rec.count("copy") >= 2 * rec.count("launch")  # every piece in and out, at least one copy each
         assert rec.hazards() == []
         _same(a, b, oa, ob)
+        driven = off._raw.calls if copier == "driver" else 0
         if lookup == "once":  # torch.cuda.stream only outside the stagers: the prefetch at each step's end
-            assert switches["set_stream"] > 0 and switches["stream"] <= 4 * (len(ob._offload.slots) - 1)
+            assert switches["stream"] <= 4 * (len(ob._offload.slots) - 1)
+            if copier == "driver":
+                assert switches["set_stream"] == 0 and driven >= 2 * rec.count("launch")
+            else:
+                assert switches["set_stream"] > 0
         else:
-            assert switches["set_stream"] == 0 and switches["stream"] > 0
+            assert switches["set_stream"] == 0 and switches["stream"] > 0 and driven == 0
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams (the CUDA tests run the real ones)")
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
-def test_a_changed_order_copies_in_after_the_other_cuts_copies_out(fmt, small_chunks, monkeypatch):
+@pytest.mark.parametrize("copier", ["copy_", "driver"])
+def test_a_changed_order_copies_in_after_the_other_cuts_copies_out(fmt, copier, small_chunks, monkeypatch):
     """A block frozen for a step (as in the test above) changes the buckets: that step's pieces overlap the learned
     order's pieces in other ways, and their copies in must follow the copies out of the other cuts' pieces that last
     wrote the same host state, wherever those went (without those waits this finds hazards)."""
     with record_streams(monkeypatch) as rec:
-        _streams_on_the_cpu(monkeypatch, rec)
+        _streams_on_the_cpu(monkeypatch, rec, driver=copier == "driver")
         a, b = make(), make()
         # small buckets: a bucket of the changed step then takes pieces of several learned ones
         oa, ob = _opt(a, fmt, False, True, bucket=100), _opt(b, fmt, True, True, bucket=100)
