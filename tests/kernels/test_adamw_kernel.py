@@ -498,6 +498,8 @@ def test_register_caps_by_specialization():
     assert MAX_REGISTERS == {
         ("4bit", torch.bfloat16, True, True, False): 64,
         ("4bit", torch.float32, False, True, False): 64,
+        ("8bit", torch.bfloat16, True, True, False): 64,
+        ("8bit", torch.bfloat16, True, True, True): 64,
     }
     assert cap("4bit", torch.bfloat16) == 64
     assert cap("4bit", torch.bfloat16, grad_scale=True) == 64  # the release clip's variant: no spill at 64 (sm_90)
@@ -509,7 +511,10 @@ def test_register_caps_by_specialization():
     assert cap("4bit", torch.float32, stochastic=False, even=False) is None
     assert cap("4bit", torch.float32, stochastic=False, per_tensor=True) is None
     assert cap("8bit", torch.float32, stochastic=False) is None
-    assert cap("8bit", torch.bfloat16) is None
+    assert cap("8bit", torch.bfloat16) == 64  # 63 registers and no spill with the non-finite check (sm_90)
+    assert cap("8bit", torch.bfloat16, grad_scale=True) == 64
+    assert cap("8bit", torch.bfloat16, per_tensor=True) == 64
+    assert cap("8bit", torch.bfloat16, stochastic=False) is None
     assert cap("4bit", torch.float32, stochastic=False, rows=2, num_warps=2) is None  # another tile: not measured
     assert cap("4bit", torch.float32, stochastic=False, maxnreg=None) is None
     assert cap("8bit", torch.float32, maxnreg=64) == 64
