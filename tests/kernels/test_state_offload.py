@@ -81,10 +81,11 @@ def test_the_learned_order_prefetches_every_launch_after_the_first_step(small_ch
         opt = _opt(model, "8bit", True, release)
         train(model, opt, 1)
         off = opt._offload
-        first = off.misses
+        first, cuts = off.misses, off._cuts_version
         assert first == len(off._order) > len(off.slots)  # the first step knows no order: every launch copies in
         train(model, opt, 3)
         assert off.misses == first  # later steps: every launch found its state on the device
+        assert off._cuts_version == cuts  # and its pieces: cut once (a new cut recomputes every piece's overlaps)
         assert off.hits == 3 * len(off._order)
         # the device holds `slots` buffers, each the size of the largest piece, which is at most PIECE bytes (one
         # work item of 256 elements takes 4 x 256 bytes of 8-bit state with alignment) though whole tensors hold more
