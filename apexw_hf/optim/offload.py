@@ -386,7 +386,8 @@ class StateOffload:
             self._h2d = torch.cuda.Stream(device)
             self._d2h = torch.cuda.Stream(device)
             self._raw = _DriverCopies()
-            weakref.finalize(self, _drain, [self._h2d, self._d2h])
+            # (not at exit: the process's memory goes with it)
+            weakref.finalize(self, _drain, [self._h2d, self._d2h]).atexit = False
 
     # ---- one launch ------------------------------------------------------------------------------------------
 
