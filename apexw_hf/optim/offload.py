@@ -200,6 +200,16 @@ class _Piece:
         self.size = ranges[-1][6] + _align((ranges[-1][4] - ranges[-1][3]) * ranges[-1][5]) if ranges else 0
 
 
+def _overlap(a: _Piece, b: _Piece) -> bool:
+    """Whether pieces ``a`` and ``b`` update some of the same state elements. The pieces of one cut (the same launch
+    and plan) never do: they split its work items."""
+    if a.cut is b.cut or a.spans.keys().isdisjoint(b.spans):
+        return False
+    return any(
+        v0 < u1 and u0 < v1 for t in a.spans.keys() & b.spans.keys() for v0, v1 in a.spans[t] for u0, u1 in b.spans[t]
+    )
+
+
 class SideCopy:
     """A copy queued beside the state's copies (:meth:`StateOffload.side_copy`): its chunks not yet issued, the event
     its first chunk waits for, and ``done``, recorded on the stream after its last chunk."""
@@ -656,34 +666,15 @@ class StateOffload:
         cached = piece.overlapping
         if cached is not None and cached[0] == self._cuts_version:
             return cached[1]
-        found = [piece]
-        mine = piece.spans
-        for _, pieces in self._cuts.values():
-            for other in pieces:
-                if other.cut is piece.cut or mine.keys().isdisjoint(other.spans):
-                    continue  # the pieces of one cut split its work items: disjoint
-                if any(
-                    v0 < u1 and u0 < v1
-                    for t in mine.keys() & other.spans.keys()
-                    for v0, v1 in mine[t]
-                    for u0, u1 in other.spans[t]
-                ):
-                    found.append(other)
+        found = [piece] + [other for _, pieces in self._cuts.values() for other in pieces if _overlap(piece, other)]
         piece.overlapping = (self._cuts_version, found)
         return found
 
     def _drop_overlaps(self, index: int, piece: _Piece) -> None:
         """Forget every other slot's copy of state that ``piece`` updates: the launch about to run makes it stale."""
-        mine, cut = piece.spans, piece.cut
         for i, s in enumerate(self.slots):
-            other = s.piece
-            # the pieces of one cut (the same launch and plan) are disjoint: they split its work items
-            if i == index or other is None or other.cut is cut or mine.keys().isdisjoint(other.spans):
-                continue
-            for t in mine.keys() & other.spans.keys():
-                if any(v0 < u1 and u0 < v1 for v0, v1 in mine[t] for u0, u1 in other.spans[t]):
-                    s.piece = None
-                    break
+            if i != index and s.piece is not None and _overlap(piece, s.piece):
+                s.piece = None
 
     # ---- copies beside the state's ------------------------------------------------------------------------------
 
