@@ -264,8 +264,10 @@ class _Slot:
         self.buffer: torch.Tensor | None = None
         self.piece: _Piece | None = None
         self.copied_in = None  # the copy in of ``piece`` not yet waited for by a launch: ``in_event``, else None
-        self.copied_out = None  # after the slot's first copy out: ``out_event`` (waited for by the next copy in)
-        self.in_event = self.out_event = self.launched = None  # CUDA events, made on first use
+        self.in_event = None  # CUDA event of the copies in, made on first use
+        # CUDA events of the launches and of the copies out, made at the first copy out (waited for by the next copy
+        # in, or by a launch of the piece still resident): None before it
+        self.launched = self.out_event = None
 
 
 class StateOffload:
@@ -496,8 +498,8 @@ class StateOffload:
         self._drop_overlaps(index, piece)
         if slot.copied_in is not None:  # (the copy in itself waited for the slot's last copy out)
             self._current().wait_event(slot.copied_in)
-        elif slot.copied_out is not None:  # resident: the launch must not write while its last copy out reads
-            self._current().wait_event(slot.copied_out)
+        elif slot.out_event is not None:  # resident: the launch must not write while its last copy out reads
+            self._current().wait_event(slot.out_event)
         return index
 
     def _current(self):
@@ -519,7 +521,6 @@ class StateOffload:
             self._d2h.wait_event(slot.launched)
             self._move(self._d2h, pairs, raw, to_host=True)
             slot.out_event.record(self._d2h)
-            slot.copied_out = slot.out_event
             self._pump("out", SIDE_RATIO["out"] * piece.size)
             piece.out_slot = index
         slot.copied_in = None  # the slot holds the updated state: it stays valid until overwritten
@@ -577,12 +578,12 @@ class StateOffload:
         else:
             if fresh:  # the allocator gave memory that is free in the compute stream's order, not yet in ours
                 self._h2d.wait_stream(self._current())
-            if slot.copied_out is not None:
-                self._h2d.wait_event(slot.copied_out)
+            if slot.out_event is not None:
+                self._h2d.wait_event(slot.out_event)
             if self._barrier is not None:
                 self._h2d.wait_event(self._barrier)
                 self._barrier = None
-            for ready in self._ready_events(piece, slot.copied_out):
+            for ready in self._ready_events(piece, slot.out_event):
                 self._h2d.wait_event(ready)
             self._move(self._h2d, pairs, raw, to_host=False)
             if slot.in_event is None:
