@@ -152,7 +152,10 @@ class _DriverCopies:
         try:
             fn = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
         except (OSError, AttributeError) as e:
-            raise RuntimeError(f"state_offload=True: the CUDA driver library (libcuda.so.1) did not load: {e}") from e
+            raise RuntimeError(
+                f"state_offload=True queues its copies through the CUDA driver, and libcuda.so.1 did not load ({e}). "
+                "Check the NVIDIA driver installation, or turn state_offload off."
+            ) from e
         fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
         fn.restype = ctypes.c_int
         self._fn = fn
@@ -160,7 +163,10 @@ class _DriverCopies:
     def __call__(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         err = self._fn(dst, src, nbytes, stream)
         if err:
-            raise RuntimeError(f"state offload: cuMemcpyAsync of {nbytes} bytes failed with CUDA error {err}")
+            raise RuntimeError(
+                f"state_offload=True: cuMemcpyAsync of {nbytes} bytes of optimizer state failed with CUDA error {err} "
+                "(a CUresult of cuda.h)"
+            )
 
 
 def _drain(streams: list) -> None:
