@@ -137,36 +137,115 @@ def local_ranks() -> int:
         return 1
 
 
+class _MemLocation(ctypes.Structure):
+    """``CUmemLocation`` of cuda.h (a location type and an id; all zero: no hint)."""
+
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` of cuda.h: the attributes of the copies of one ``cuMemcpyBatchAsync``."""
+
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_loc_hint", _MemLocation),
+        ("dst_loc_hint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: the source is read in stream order
+
+
+class _RawCopies:
+    """The copies that move one piece's state between the host blocks and one slot: ``triples`` of (host address,
+    slot address, bytes), and per direction the arrays a batched driver copy takes (made on first use)."""
+
+    __slots__ = ("triples", "arrays")
+
+    def __init__(self, triples: list[tuple[int, int, int]]):
+        self.triples = triples
+        self.arrays: dict[bool, tuple] = {}
+
+
 class _DriverCopies:
-    """Copies between pinned host memory and the device queued with the CUDA driver's ``cuMemcpyAsync`` on a given
-    stream (the direction follows from the addresses: CUDA's unified addressing). A piece's state moves in a few
-    copies each way, and ``Tensor.copy_`` spends most of the offload's host time per piece (dispatch, the pinned
-    allocator's bookkeeping, a stream switch around it: docs/gradient_release.md, "State offload"); this queues the
-    same copy on the same stream. Used where the caller's current device is the offload's (the driver copies within
-    the current context): the stagers' copies; the prefetch at a step's end goes through ``Tensor.copy_``.
+    """Copies between pinned host memory and the device queued with the CUDA driver on a given stream (the direction
+    follows from the addresses: CUDA's unified addressing). A piece's state moves in a few copies each way, and
+    ``Tensor.copy_`` spends most of the offload's host time per piece (dispatch, the pinned allocator's bookkeeping, a
+    stream switch around it: docs/gradient_release.md, "State offload"); this queues the same copies on the same
+    stream. A piece's copies in one direction go to the driver in one ``cuMemcpyBatchAsync`` (drivers of CUDA 12.8 and
+    later; the copies of a piece never overlap, so their order within the batch does not matter), else one
+    ``cuMemcpyAsync`` each: :attr:`batched` says which. Used where the caller's current device is the offload's (the
+    driver copies within the current context): the stagers' copies; the prefetch at a step's end goes through
+    ``Tensor.copy_``.
 
     The pinned allocator is not told of these copies: the host blocks they touch live as long as the
-    :class:`StateOffload`, whose collection waits for its copy streams first."""
+    :class:`StateOffload`, whose collection waits for its copy streams first.
 
-    def __init__(self):
+    ``lib``: the driver library (``libcuda.so.1`` by default; the tests pass stand-ins with the same functions)."""
+
+    def __init__(self, lib=None):
         try:
-            fn = ctypes.CDLL("libcuda.so.1").cuMemcpyAsync
+            lib = ctypes.CDLL("libcuda.so.1") if lib is None else lib
+            one = lib.cuMemcpyAsync
         except (OSError, AttributeError) as e:
             raise RuntimeError(
                 f"state_offload=True queues its copies through the CUDA driver, and libcuda.so.1 did not load ({e}). "
                 "Check the NVIDIA driver installation, or turn state_offload off."
             ) from e
-        fn.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        self._fn = fn
-
-    def __call__(self, dst: int, src: int, nbytes: int, stream: int) -> None:
-        err = self._fn(dst, src, nbytes, stream)
-        if err:
-            raise RuntimeError(
-                f"state_offload=True: cuMemcpyAsync of {nbytes} bytes of optimizer state failed with CUDA error {err} "
-                "(a CUresult of cuda.h)"
+        one.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        one.restype = ctypes.c_int
+        self._one = one
+        arrays = [ctypes.POINTER(ctypes.c_uint64)] * 2 + [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+        attrs = [ctypes.POINTER(_MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+        # CUDA 13's ABI has no failure index; CUDA 12.8's (the unsuffixed name) has one before the stream
+        batch, fail_index = getattr(lib, "cuMemcpyBatchAsync_v2", None), False
+        if batch is None:
+            batch, version = getattr(lib, "cuMemcpyBatchAsync", None), ctypes.c_int(0)
+            if batch is not None and (lib.cuDriverGetVersion(ctypes.byref(version)) != 0 or version.value < 12080):
+                batch = None
+            fail_index = True
+        if batch is not None:
+            batch.argtypes = (
+                arrays + attrs + ([ctypes.POINTER(ctypes.c_size_t)] if fail_index else []) + [ctypes.c_void_p]
             )
+            batch.restype = ctypes.c_int
+        self._batch, self._fail_index = batch, ctypes.c_size_t(0) if fail_index else None
+        self._attrs = (_MemcpyAttributes * 1)(_MemcpyAttributes(SRC_ACCESS_ORDER_STREAM))
+        self._attr_starts = (ctypes.c_size_t * 1)(0)
+
+    @property
+    def batched(self) -> bool:
+        """Whether a piece's copies in one direction are one driver call (``cuMemcpyBatchAsync``)."""
+        return self._batch is not None
+
+    def __call__(self, raw: _RawCopies, to_host: bool, stream: int) -> None:
+        """Queue the copies of ``raw`` on ``stream`` (a ``CUstream`` handle): to the host blocks, or from them."""
+        if self._batch is None or len(raw.triples) == 1:
+            for h, d, n in raw.triples:
+                dst, src = (h, d) if to_host else (d, h)
+                err = self._one(dst, src, n, stream)
+                if err:
+                    self._failed("cuMemcpyAsync", n, err)
+            return
+        arrays = raw.arrays.get(to_host)
+        if arrays is None:
+            count = len(raw.triples)
+            hosts = (ctypes.c_uint64 * count)(*(h for h, _, _ in raw.triples))
+            slots = (ctypes.c_uint64 * count)(*(d for _, d, _ in raw.triples))
+            sizes = (ctypes.c_size_t * count)(*(n for _, _, n in raw.triples))
+            arrays = raw.arrays[to_host] = (hosts, slots, sizes, count) if to_host else (slots, hosts, sizes, count)
+        extra = (self._fail_index,) if self._fail_index is not None else ()
+        err = self._batch(*arrays, self._attrs, self._attr_starts, 1, *extra, stream)
+        if err:
+            self._failed(f"cuMemcpyBatchAsync of {arrays[3]} copies", sum(n for _, _, n in raw.triples), err)
+
+    @staticmethod
+    def _failed(call: str, nbytes: int, err: int):
+        raise RuntimeError(
+            f"state_offload=True: {call} ({nbytes} bytes of optimizer state) failed with CUDA error {err} (a CUresult "
+            "of cuda.h)"
+        )
 
 
 def _drain(streams: list) -> None:
@@ -196,9 +275,9 @@ class _Piece:
         for _, p, k, u0, u1, _, _ in ranges:
             self.spans.setdefault((id(p), k), []).append((u0, u1))
         self.tables: dict[int, tuple[int, object]] = {}  # slot index -> (its buffer's address, the state table)
-        # slot index -> (its buffer's address, [(host, slot) views], [(host address, slot address, bytes)] or None
-        # where a view is not of the host blocks)
-        self.copies: dict[int, tuple[int, list, list | None]] = {}
+        # slot index -> (its buffer's address, [(host, slot) views], their driver copies, or None where a view is
+        # not of the host blocks)
+        self.copies: dict[int, tuple[int, list, _RawCopies | None]] = {}
         self.placed = False  # its params' host state exists
         self.out_slot: int | None = None  # the slot its last copy out read (CUDA)
         # (cuts version, the pieces whose state overlaps this one's, itself included): StateOffload._overlapping
@@ -599,17 +678,12 @@ class StateOffload:
             self._pump("in", SIDE_RATIO["in"] * piece.size)
         self.bytes_in += piece.size
 
-    def _move(self, stream, pairs: list, raw: list | None, to_host: bool) -> None:
+    def _move(self, stream, pairs: list, raw: _RawCopies | None, to_host: bool) -> None:
         """Queue the copies of ``pairs`` ((host, slot) views; ``raw`` their addresses and bytes) on ``stream``, to
         the host or from it: through the driver (:class:`_DriverCopies`) inside a stager on the offload's device,
         else with ``Tensor.copy_`` with ``stream`` current."""
         if raw is not None and self._raw is not None and self._compute is not None:
-            handle = stream.cuda_stream
-            for h, d, n in raw:
-                if to_host:
-                    self._raw(h, d, n, handle)
-                else:
-                    self._raw(d, h, n, handle)
+            self._raw(raw, to_host, stream.cuda_stream)
             return
         with _On(stream, self._compute):
             for h, d in pairs:
@@ -618,12 +692,14 @@ class StateOffload:
                 else:
                     d.copy_(h, non_blocking=True)
 
-    def _copies(self, index: int, piece: _Piece) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list | None]:
+    def _copies(self, index: int, piece: _Piece) -> tuple[
+        list[tuple[torch.Tensor, torch.Tensor]], _RawCopies | None
+    ]:
         """The (host, slot) byte views that move ``piece``'s state between the host and slot ``index``, and their
-        (host address, slot address, bytes) where every view is of the host blocks (else None), made once per piece
-        and slot. Ranges that follow each other in a host block as in the slot (one tensor's range to its end,
-        the next from its start at the next multiple of ALIGN in the block, as far from the first in the slot) are one
-        copy: the bytes between them are padding on both sides."""
+        driver copies (host address, slot address, bytes) where every view is of the host blocks (else None), made
+        once per piece and slot. Ranges that follow each other in a host block as in the slot (one tensor's range to
+        its end, the next from its start at the next multiple of ALIGN in the block, as far from the first in the slot)
+        are one copy: the bytes between them are padding on both sides."""
         slot = self.slots[index]
         base = slot.buffer.data_ptr()
         cached = piece.copies.get(index)
@@ -652,7 +728,7 @@ class StateOffload:
         ]
         raw = None
         if all(blk is not None for blk, *_ in spans):
-            raw = [(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in pairs]
+            raw = _RawCopies([(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in pairs])
         piece.copies[index] = (base, pairs, raw)
         return pairs, raw
 

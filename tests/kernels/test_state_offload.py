@@ -343,24 +343,60 @@ def test_a_piece_holds_nearly_its_stated_bytes(fmt, monkeypatch):
     assert pieces[-1].size <= 20000
 
 
+_ONE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+_ARRAYS = [ctypes.POINTER(ctypes.c_uint64)] * 2 + [ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+_ATTRS = [ctypes.POINTER(offload_mod._MemcpyAttributes), ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t]
+_BATCH_13 = ctypes.CFUNCTYPE(ctypes.c_int, *_ARRAYS, *_ATTRS, ctypes.c_void_p)
+_BATCH_12_8 = ctypes.CFUNCTYPE(ctypes.c_int, *_ARRAYS, *_ATTRS, ctypes.POINTER(ctypes.c_size_t), ctypes.c_void_p)
+_VERSION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+# the driver copies' stand-ins: one copy per call, or a piece's copies in one batched call (CUDA 13's ABI, or 12.8's
+# with its failure index)
+DRIVERS = ["one", "batch_13", "batch_12.8"]
+
+
 class _FakeDriver:
-    """:class:`offload._DriverCopies` on the CPU: each copy recorded on the stand-in stream of its handle, then done
-    at once (``ctypes.memmove``)."""
+    """``libcuda.so.1`` on the CPU for :class:`offload._DriverCopies`: its copy functions as C function pointers
+    (ctypes passes the arguments as it would to the driver) that record each copy on the stand-in stream of its
+    handle, then do it at once (``ctypes.memmove``). ``abi``: one of DRIVERS (for "one", the driver has no batched
+    copy: each is a ``cuMemcpyAsync``). ``calls``: the driver calls made; ``batches``: how many were batched."""
 
-    def __init__(self, rec, streams):
-        self.rec, self.streams, self.calls = rec, {s.cuda_stream: s for s in streams}, 0
+    def __init__(self, rec, streams, abi):
+        self.rec, self.streams, self.calls, self.batches = rec, {s.cuda_stream: s for s in streams}, 0, 0
+        self.cuMemcpyAsync = _ONE(self._one)
+        if abi == "batch_13":
+            self.cuMemcpyBatchAsync_v2 = _BATCH_13(lambda *a: self._batch(*a[:-1], None, a[-1]))
+        elif abi == "batch_12.8":
+            self.cuMemcpyBatchAsync = _BATCH_12_8(self._batch)
+            self.cuDriverGetVersion = _VERSION(self._version)
 
-    def __call__(self, dst, src, nbytes, stream):
-        self.calls += 1
+    def _copy(self, dst, src, nbytes, stream):
         self.rec.op(self.streams[stream], "copy", reads=[(src, src + nbytes)], writes=[(dst, dst + nbytes)])
         ctypes.memmove(dst, src, nbytes)
 
+    def _one(self, dst, src, nbytes, stream):
+        self.calls += 1
+        self._copy(dst, src, nbytes, stream)
+        return 0
 
-def _streams_on_the_cpu(monkeypatch, rec, driver=False):
+    def _batch(self, dsts, srcs, sizes, count, attrs, attr_starts, num_attrs, fail_index, stream):
+        self.calls, self.batches = self.calls + 1, self.batches + 1
+        assert count > 1 and num_attrs == 1 and attr_starts[0] == 0
+        assert attrs[0].src_access_order == 1 and attrs[0].flags == 0  # in stream order, no hints
+        for i in range(count):
+            self._copy(dsts[i], srcs[i], sizes[i], stream)
+        return 0
+
+    @staticmethod
+    def _version(out):
+        out[0] = 12080
+        return 0
+
+
+def _streams_on_the_cpu(monkeypatch, rec, driver=None):
     """State offload on the CPU takes its CUDA path with the stand-in streams of ``rec``: side streams at binding, and
     each launch recorded on the compute stream as writing the bytes of its device buffer that hold its piece.
-    ``driver``: the stagers' copies go through a stand-in of the CUDA driver's copy (:class:`_FakeDriver`), as on a
-    GPU, instead of ``Tensor.copy_``."""
+    ``driver`` (one of DRIVERS): the stagers' copies go through :class:`offload._DriverCopies` over a stand-in of the
+    CUDA driver (:class:`_FakeDriver`), as on a GPU, instead of ``Tensor.copy_`` (None)."""
     bind, done = offload_mod.StateOffload._bind, offload_mod.StateOffload._done
 
     def bind_streams(self, device):
@@ -370,7 +406,10 @@ def _streams_on_the_cpu(monkeypatch, rec, driver=False):
             self._h2d, self._d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
             if driver:
                 self._h2d.cuda_stream, self._d2h.cuda_stream = 1, 2
-                self._raw = _FakeDriver(rec, [self._h2d, self._d2h])
+                lib = _FakeDriver(rec, [self._h2d, self._d2h], driver)
+                self._raw = offload_mod._DriverCopies(lib)
+                self._raw.lib = lib
+                assert self._raw.batched == (driver != "one")
 
     def launched(self, slot, piece):
         base = slot.buffer.data_ptr()
@@ -385,7 +424,7 @@ def _streams_on_the_cpu(monkeypatch, rec, driver=False):
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
 @pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("lookup", ["once", "each"])
-@pytest.mark.parametrize("copier", ["copy_", "driver"])
+@pytest.mark.parametrize("copier", ["copy_", *DRIVERS])
 def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup, copier, small_chunks, monkeypatch):
     """The events the offload records and waits for order every copy and launch after whatever they must follow on a
     GPU: a copy in after the launch and copy out of what its buffer held and after the copy out that last wrote its
@@ -393,10 +432,10 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup
     when issued, so only this check sees the order a GPU would run them in). ``lookup``: the stager looks the compute
     stream up once and switches streams with ``set_stream`` ("once"), or, where the current device is another than the
     parameters', every switch goes through ``torch.cuda.stream`` ("each"), as the prefetch at a step's end does.
-    ``copier``: the stagers' copies through ``Tensor.copy_`` or, as on a GPU, the CUDA driver (then with no stream
-    switch inside the stagers, and only where the current device is the parameters')."""
+    ``copier``: the stagers' copies through ``Tensor.copy_`` or, as on a GPU, the CUDA driver (DRIVERS; then with no
+    stream switch inside the stagers, and only where the current device is the parameters')."""
     with record_streams(monkeypatch) as rec:
-        _streams_on_the_cpu(monkeypatch, rec, driver=copier == "driver")
+        _streams_on_the_cpu(monkeypatch, rec, driver=None if copier == "copy_" else copier)
         switches = {"set_stream": 0, "stream": 0}
         set_stream, stream = torch.cuda.set_stream, torch.cuda.stream
 
@@ -420,11 +459,13 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup
         assert rec.count("copy") >= 2 * rec.count("launch")  # every piece in and out, at least one copy each
         assert rec.hazards() == []
         _same(a, b, oa, ob)
-        driven = off._raw.calls if copier == "driver" else 0
+        driven = off._raw.lib.calls if copier != "copy_" else 0
         if lookup == "once":  # torch.cuda.stream only outside the stagers: the prefetch at each step's end
             assert switches["stream"] <= 4 * (len(ob._offload.slots) - 1)
-            if copier == "driver":
+            if copier == "one":
                 assert switches["set_stream"] == 0 and driven >= 2 * rec.count("launch")
+            elif copier != "copy_":  # a piece's copies each way in one call where it has several
+                assert switches["set_stream"] == 0 and driven >= rec.count("launch") and off._raw.lib.batches > 0
             else:
                 assert switches["set_stream"] > 0
         else:
@@ -433,13 +474,13 @@ def test_copies_and_launches_wait_for_what_they_must_follow(fmt, release, lookup
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU stand-ins for the streams (the CUDA tests run the real ones)")
 @pytest.mark.parametrize("fmt", ["8bit", "4bit"])
-@pytest.mark.parametrize("copier", ["copy_", "driver"])
+@pytest.mark.parametrize("copier", ["copy_", *DRIVERS])
 def test_a_changed_order_copies_in_after_the_other_cuts_copies_out(fmt, copier, small_chunks, monkeypatch):
     """A block frozen for a step (as in the test above) changes the buckets: that step's pieces overlap the learned
     order's pieces in other ways, and their copies in must follow the copies out of the other cuts' pieces that last
     wrote the same host state, wherever those went (without those waits this finds hazards)."""
     with record_streams(monkeypatch) as rec:
-        _streams_on_the_cpu(monkeypatch, rec, driver=copier == "driver")
+        _streams_on_the_cpu(monkeypatch, rec, driver=None if copier == "copy_" else copier)
         a, b = make(), make()
         # small buckets: a bucket of the changed step then takes pieces of several learned ones
         oa, ob = _opt(a, fmt, False, True, bucket=100), _opt(b, fmt, True, True, bucket=100)
