@@ -182,7 +182,7 @@ def test_a_grown_device_buffer_is_not_kept_alive_by_cached_copies(monkeypatch):
         for index, (base, copies, raw) in piece.copies.items():
             assert base == off.slots[index].buffer.data_ptr()
             assert all(dst.untyped_storage().data_ptr() in live for _, dst in copies)
-            assert raw is None or [(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in copies] == raw
+            assert raw is None or [(h.data_ptr(), d.data_ptr(), d.numel()) for h, d in copies] == raw.triples
 
 
 def test_export_and_dequantized_state_match_the_device_run():
