@@ -1,5 +1,9 @@
-"""scripts/skew_walk.py (the skewed-block simulation of issue 45) and scripts/block_skew.py (how skewed a real
-fine-tune's blocks are), each run tiny: they run the real update path, write their markdown, and refuse bad flags."""
+"""scripts/skew_walk.py (the skewed-block simulation of issue 45), scripts/block_skew.py (how skewed a real
+fine-tune's blocks are) and scripts/update_size.py (the formats' update on noisy skewed rows), each run tiny: they
+run the real update path, write their markdown, and refuse bad flags."""
+
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -65,3 +69,22 @@ def test_skew_candidates_tiny_run():
     assert all(0.5 < r["ratio"] < 2 for r in rows)
     with pytest.raises(ValueError, match="int4"):
         load_script("skew_candidates").main(["--candidates", "int4"])
+
+
+def test_update_size_tiny_run_against_an_old_package(tmp_path):
+    """scripts/update_size.py with this tree's package standing in for another commit's (``--old``): the old column
+    then steps exactly as the 4-bit one, and the split table's rows (4-bit round trips) are all there."""
+    old = tmp_path / "old"
+    old.mkdir()
+    shutil.copytree(Path(__file__).resolve().parents[2] / "apexw_hf", old / "apexw_hf")
+    argv = ["--old", str(old), "--steps", "12", "--rows", "2", "--cols", "256", "--split"]
+    text = load_script("update_size").main(argv)
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["4bit_old"].split(" | ")[1:] == rows["4bit"].split(" | ")[1:]
+    assert sum(line.startswith("| 2 | ") or line.startswith("| 3 | ") for line in text.splitlines()) == 6
+    assert "command: `python scripts/update_size.py --old" in text
+
+
+def test_update_size_refuses_bad_flags():
+    with pytest.raises(SystemExit, match="sigma"):
+        load_script("update_size").main(["--split", "--sigma", "0", "--steps", "4"])
