@@ -7,7 +7,7 @@ A weight of ``--rows`` x ``--cols`` elements gets gradients ``1e-3 * row_i * col
 elements whose ``v`` lies up to ~2**20 below its largest. With ``--shrink`` every gradient halves 8 times over the run.
 Each optimizer steps its own copy of the weight (fp32 parameters: only the state is quantized) on the same gradients:
 this package's ``ApexW8bit`` and ``ApexW4bit``, and with ``--old DIR`` the ``ApexW4bit`` of the ``apexw_hf`` package
-under DIR (another commit's, e.g. ``git archive e47eb80 apexw_hf | tar x -C DIR``), imported as ``apexw_old``.
+under DIR (another commit's: ``git archive <commit> apexw_hf | tar x -C DIR``), imported as ``apexw_old``.
 
 Reported per optimizer, against torch AdamW: the mean ``|update|`` per element and step as a ratio (the step size the
 format gives; 1.00 exact), the per-step update error ``||u - u_torch|| / ||u_torch||``, the end point's distance from
@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import shutil
 import sys
 import tempfile
 import time
@@ -37,23 +35,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_step_against import import_old  # noqa: E402
 
 import apexw_hf  # noqa: E402
 from apexw_hf import reference as ref  # noqa: E402
 from apexw_hf.provenance import describe_source  # noqa: E402
 
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-
-def import_old(folder: Path, tmp: Path):
-    """The ``apexw_hf`` package under ``folder`` imported as ``apexw_old`` (a copy in ``tmp``)."""
-    src = folder / "apexw_hf"
-    if not (src / "__init__.py").is_file():
-        raise SystemExit(f"--old {folder}: no apexw_hf package there (extract one: git archive <commit> apexw_hf)")
-    shutil.copytree(src, tmp / "apexw_old")
-    sys.path.insert(0, str(tmp))
-    return importlib.import_module("apexw_old")
 
 
 def run(make, p0, row, col, drift, steps: int, shrink: bool):
@@ -156,11 +148,7 @@ def main(argv=None) -> str:
     travel = (end_ref - p0).norm()
     rel = torch.log2((col[0] ** 2).max() / col[0] ** 2)
     edges = torch.quantile(rel, torch.linspace(0, 1, 9))
-    cmd = "python scripts/update_size.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, "
-        f"{time.time() - t0:.0f} s; command: `{cmd.strip()}`",
-        "",
         "| optimizer | mean abs update / torch's | per-step update error | end point's distance / torch's travel |",
         "|---|---:|---:|---:|",
     ]
@@ -172,10 +160,12 @@ def main(argv=None) -> str:
         lines += octiles(res, u_ref, rel, edges)
     if args.split:
         lines += split_table(row, col, drift, args.steps, args.shrink, u_ref, rel >= edges[7])
-    lines[0] = f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, " + (
+    cmd = "python scripts/update_size.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = (
+        f"commit {commit}, torch {torch.__version__}, {datetime.date.today().isoformat()}, "
         f"{time.time() - t0:.0f} s; command: `{cmd.strip()}`"
     )
-    text = "\n".join(lines)
+    text = "\n".join([header, "", *lines])
     print(text)
     return text
 
