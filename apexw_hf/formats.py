@@ -27,14 +27,16 @@ fp32 ``exp_avg_sq_scale`` (the envelope scale of e5m3 ``v`` codes) is version 3,
 of versions 1 and 2 are converted on load (decoded, then re-encoded with the random stream of their step, so
 deterministically).
 
-The 4-bit codes are of format version 3 (``reference.quantize_mv4``), and the scales' dtypes say which version an
-entry holds: both fp32 (the exact block absmax of ``m``, the envelope scale of ``v``) is version 3, a bf16
-``exp_avg_scale`` with an fp32 ``exp_avg_sq_scale`` version 2 (``reference.quantize_mv4_v2``, ``"4bit_v2"``), both
-bf16 version 1 (``reference.quantize_mv4_v1``, ``"4bit_v1"``); versions 1 and 2 are converted on load the same way.
+The 4-bit codes are of format version 4 (``reference.quantize_mv4``). Versions 3 and 4 have the same tensors (both
+scales fp32), so a state dict says which it holds: ``ApexW.state_dict`` writes :data:`MV4_VERSION_KEY` (4) into
+every param group, and a state dict without it holds version 3 (``"4bit_v3"``, ``reference.quantize_mv4_v3``). The
+scales' dtypes tell the earlier ones: a bf16 ``exp_avg_scale`` with an fp32 ``exp_avg_sq_scale`` is version 2
+(``reference.quantize_mv4_v2``, ``"4bit_v2"``), both bf16 version 1 (``reference.quantize_mv4_v1``, ``"4bit_v1"``);
+versions 1 to 3 are converted on load the same way.
 A scale of any other dtype or shape is refused with a ``ValueError`` before anything changes.
 
-Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 8bit_v2, 4bit_v1, 4bit_v2 and
-``torch.optim.AdamW``'s float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by
+Every layout converts into every format (fp32, compact, 8bit, 4bit, and from 8bit_v1, 8bit_v2, 4bit_v1, 4bit_v2,
+4bit_v3 and ``torch.optim.AdamW``'s float moments): decoded to fp32 by ``reference.load_moments``, re-encoded by
 ``reference.store_moments``.
 """
 
@@ -48,7 +50,11 @@ from . import reference as ref
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 MV4_KEY = "exp_avg_mv"  # 4-bit state: both moments' codes in one uint8 tensor shaped like the parameter
 EIGHT_BIT = ("8bit", "8bit_v2", "8bit_v1")  # the 8-bit layouts: version 3, and versions 2 and 1 (read only)
-FOUR_BIT = ("4bit", "4bit_v2", "4bit_v1")  # the 4-bit layouts: format version 3, and versions 2 and 1 (read only)
+FOUR_BIT = ("4bit", "4bit_v3", "4bit_v2", "4bit_v1")  # 4-bit: format version 4, and versions 3, 2, 1 (read only)
+# The 4-bit format version of a state dict's entries, which a saved param group carries (state dicts of earlier
+# versions lack it): versions 3 and 4 have the same tensors, so only this tells them apart.
+MV4_VERSION_KEY = "exp_avg_mv_version"
+MV4_VERSION = 4
 QUANTIZED = (*EIGHT_BIT, *FOUR_BIT)  # the layouts with block scales
 SCALE_KEYS = ("exp_avg_scale", "exp_avg_sq_scale")
 STATE_KEYS = (*MOMENT_KEYS, MV4_KEY, *SCALE_KEYS)  # every tensor key of some layout, besides "step"
@@ -59,6 +65,7 @@ MOMENT_DTYPES = {
     "8bit_v2": (torch.uint8, torch.uint8),
     "8bit_v1": (torch.int8, torch.uint8),
     "4bit": (torch.uint8,),
+    "4bit_v3": (torch.uint8,),
     "4bit_v2": (torch.uint8,),
     "4bit_v1": (torch.uint8,),
 }
@@ -67,6 +74,7 @@ SCALE_BLOCKS = {  # elements per scale
     "8bit_v2": ref.BLOCK,
     "8bit_v1": ref.BLOCK,
     "4bit": ref.BLOCK4,
+    "4bit_v3": ref.BLOCK4,
     "4bit_v2": ref.BLOCK4,
     "4bit_v1": ref.BLOCK4,
 }
@@ -75,6 +83,7 @@ SCALE_DTYPES = {  # dtypes of (exp_avg_scale, exp_avg_sq_scale)
     "8bit_v2": (torch.bfloat16, torch.bfloat16),
     "8bit_v1": (torch.bfloat16, torch.bfloat16),
     "4bit": (torch.float32, torch.float32),
+    "4bit_v3": (torch.float32, torch.float32),
     "4bit_v2": (torch.bfloat16, torch.float32),
     "4bit_v1": (torch.bfloat16, torch.bfloat16),
 }
@@ -126,18 +135,21 @@ def init_state(
     return state
 
 
-def state_format_of(state: dict) -> str | None:
+def state_format_of(state: dict, mv4_version: int = MV4_VERSION) -> str | None:
     """The format a state dict entry is stored in: one of the formats, ``"8bit_v1"`` for 8-bit codes of format
     version 1 (int8 ``exp_avg``; always converted), ``"8bit_v2"`` for those of version 2 (uint8 codes with a bf16
     ``exp_avg_sq_scale``; always converted), ``"4bit_v2"`` and ``"4bit_v1"`` for 4-bit codes of format version 2 (a
     bf16 ``exp_avg_scale``, an fp32 ``exp_avg_sq_scale``) and version 1 (both scales bf16; both always converted),
-    ``"float"`` for moments of another float dtype
+    ``"4bit_v3"`` for 4-bit codes with both scales fp32 when ``mv4_version`` (the version the state dict declares,
+    :data:`MV4_VERSION_KEY`) is 3, ``"float"`` for moments of another float dtype
     (``torch.optim.AdamW`` keeps fp16 moments for fp16 parameters; they are always converted), or ``None`` for an
     empty entry."""
     if MV4_KEY in state:
         if getattr(state.get("exp_avg_sq_scale"), "dtype", None) == torch.bfloat16:
             return "4bit_v1"
-        return "4bit_v2" if getattr(state.get("exp_avg_scale"), "dtype", None) == torch.bfloat16 else "4bit"
+        if getattr(state.get("exp_avg_scale"), "dtype", None) == torch.bfloat16:
+            return "4bit_v2"
+        return "4bit" if mv4_version == MV4_VERSION else "4bit_v3"
     if "exp_avg" not in state:
         return None
     if "exp_avg_scale" in state:
@@ -150,6 +162,19 @@ def state_format_of(state: dict) -> str | None:
     if dtypes == {torch.float32}:
         return "fp32"
     return "float"
+
+
+def saved_mv4_version(group: dict) -> int:
+    """The 4-bit format version of a saved param group's state entries: :data:`MV4_VERSION_KEY`'s value, 3 where it is
+    absent (state dicts written before version 4). ``ValueError`` for a version this package does not know."""
+    version = group.get(MV4_VERSION_KEY, 3)
+    if version not in (3, MV4_VERSION):
+        raise ValueError(
+            f"the state dict's param group declares 4-bit format version {version!r} ({MV4_VERSION_KEY}); this "
+            f"apexw_hf reads versions 3 and {MV4_VERSION} (and the earlier ones by their dtypes): it was saved by a "
+            "newer apexw_hf"
+        )
+    return version
 
 
 def _check_source(state: dict, p: torch.Tensor, src: str) -> None:
@@ -229,16 +254,19 @@ def check_state(state: dict, p: torch.Tensor, fmt: str) -> None:
             )
 
 
-def convert_state(state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_index: int) -> dict:
+def convert_state(
+    state: dict, p: torch.Tensor, fmt: str, *, seed: int, tensor_index: int, mv4_version: int = MV4_VERSION
+) -> dict:
     """Return ``state`` in format ``fmt`` on ``p``'s device, converting moments from whatever format they are in.
 
     Same-format tensors are only moved (bit-exact). Moments from another format (for example fp32 moments of a
-    ``torch.optim.AdamW`` state dict) are decoded to fp32 and re-encoded with the random streams of the current step,
-    so the conversion is deterministic.
+    ``torch.optim.AdamW`` state dict, or 4-bit codes of an earlier format version) are decoded to fp32 and re-encoded
+    with the random streams of the current step, so the conversion is deterministic. ``mv4_version``: the 4-bit format
+    version the state dict declares (:func:`saved_mv4_version`).
     """
     step = state.get("step", torch.tensor(0.0))
     step = (step if isinstance(step, torch.Tensor) else torch.tensor(float(step))).detach().to("cpu", torch.float32)
-    src = state_format_of(state)
+    src = state_format_of(state, mv4_version)
     if src is None:
         return {}
     if src == fmt:

@@ -40,27 +40,34 @@ State formats (the moments ``m`` and ``v`` as stored between steps):
   within 2% of AdamW's from 2**4 to 2**24 below it (``docs/skewed_blocks.md``). Format version 2 (e4m4 ``v``, bf16
   ``v`` scale, :func:`dequantize_v_v2`) and version 1 (int8 codes ``(c/127)**2``, uint8 ``(c/255)**4``) are read only
   to convert old checkpoints (:func:`dequantize_m_v1`, :func:`dequantize_v_v1`).
-* ``4bit`` (format version 3): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
+* ``4bit`` (format version 4): blocks of :data:`BLOCK4` elements, one byte per element holding both moments' 4-bit
   codes (``exp_avg_mv``: bits 0-3 ``m``, bits 4-7 ``v``) and two fp32 scales per block, 1.0625 bytes per parameter.
-  ``m`` is sign + e3m0 (bit 3 the sign, bits 0-2 a power of two: code ``c >= 1`` is ``2**(c - 7)``, so 2**-6 .. 1,
-  and code 0 is zero) of the block's exact fp32 absmax, encoded by the minifloat integer work of ``8bit`` and rounded
-  unbiased with 8 random bits. ``v``'s code ``c >= 1`` is ``2**(2 (c - 15))``, two binades a code, 2**-28 .. 1, and
-  code 0 only zero (a nonzero ``v`` never gets it), of an fp32 envelope scale (:func:`v4_scale`: :func:`v8_scale` with
-  4x headroom, so that a restart puts the maximum on a code); it rounds up with probability ``A u + (1 - A) u**2`` of
-  its position ``u`` in the code's interval (:func:`v4_code`, integer work, 16 random bits, ``A`` = 1.85), which keeps
-  ``E[1/sqrt(v)]``, what the update divides by, near ``1/sqrt(v)`` with codes this coarse. Why version 3 (issue 45):
-  version 2's ``v`` (e4m0, one code per binade down to 2**-14 of the block's exact absmax, rounded unbiased in
-  ``log2(v)`` by :func:`v4_log_warp`, with a bf16 ``m`` scale) read an element further below its block's maximum as
-  2**-14 of it (0.49x AdamW's update at 2**16, 0.025x at 2**24), and after a burst of large gradients its codes,
-  re-rounded whenever the maximum moved, walked (1.2-1.4x); version 3 reaches 2**-28 of the envelope and keeps the
-  update size at 0.95-1.02 of AdamW's up to 2**24 below the maximum, except after a burst into a decaying block
-  (1.03-1.12 from 2**20 on; ``docs/skewed_blocks.md``). The
-  fp32 ``m`` scale is also what tells a version-3 entry from a version-2 one (:mod:`apexw_hf.formats`); versions 2
-  (:func:`quantize_mv4_v2`, :func:`dequantize_mv4_v2`) and 1 (a bf16 ``v`` scale, :func:`quantize_mv4_v1`) are read
-  to convert their checkpoints. The one byte per element keeps the state shaped like the parameter (so ``DTensor``
-  shards it like the parameter) and lets a kernel read and write both moments with one byte access. Li et al.
-  (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit moments at AdamW quality with blocks of 128
-  and a ``v`` code without a zero point.
+  ``v``'s code ``c >= 1`` is ``2**(2 (c - 15))``, two binades a code, 2**-28 .. 1, and code 0 only zero (a nonzero
+  ``v`` never gets it), of an fp32 envelope scale (:func:`v4_scale`: :func:`v8_scale` with 4x headroom, so that a
+  restart puts the maximum on a code); it rounds up with probability ``A u + (1 - A) u**2`` of its position ``u`` in
+  the code's interval (:func:`v4_code`, integer work, 16 random bits, ``A`` = 1.85), which keeps ``E[1/sqrt(v)]``,
+  what the update divides by, near ``1/sqrt(v)`` with codes this coarse. ``m`` is coded relative to the square root
+  of its element's ``v`` code: ``|m| * 2**(15 - c)`` (exact) as sign + e3m0 (bit 3 the sign, bits 0-2 a power of two:
+  code ``k >= 1`` is ``2**(k - 7)``, so 2**-6 .. 1, and code 0 is zero) of the block's exact fp32 absmax of those
+  values, encoded by the minifloat integer work of ``8bit`` and rounded unbiased with 8 random bits; decoded, it is
+  multiplied back by ``2**(c - 15)`` (:func:`v4_m_unit`). Since ``v``'s code value is a power of four of the block
+  scale, that codes ``m / sqrt(v)``, the update's own quotient, over its block maximum, with no square root. Why
+  version 4 (issue 45): version 3 coded ``m`` over the block's absmax of ``|m|``, so an element whose gradients are
+  far smaller than its block's largest (outlier columns) rounded between 0 and 2**-6 of that maximum, unbiased but
+  noisy, which made the mean update of such elements 1.2-1.7x AdamW's on noise-dominated gradients; ``m / sqrt(v)`` is
+  of one order across such a block (the update's size), and version 4 keeps it at 1.03x (``scripts/update_size.py``,
+  ``docs/skewed_blocks.md``). Why version 3 (its ``v``, which version 4 keeps): version 2's ``v`` (e4m0, one code per
+  binade down to 2**-14 of the block's exact absmax, rounded unbiased in ``log2(v)`` by :func:`v4_log_warp`, with a
+  bf16 ``m`` scale) read an element further below its block's maximum as 2**-14 of it (0.49x AdamW's update at 2**16,
+  0.025x at 2**24), and after a burst of large gradients its codes, re-rounded whenever the maximum moved, walked
+  (1.2-1.4x); the envelope and the codes of two binades reach 2**-28 of the envelope and keep the update size at
+  0.95-1.02 of AdamW's up to 2**24 below the maximum, except after a burst into a decaying block (1.03-1.12 from 2**20
+  on). Versions 3 and 4 have the same tensors; a state dict says which it holds (:mod:`apexw_hf.formats`). Versions 3
+  (:func:`quantize_mv4_v3`, :func:`dequantize_mv4_v3`), 2 (:func:`quantize_mv4_v2`, :func:`dequantize_mv4_v2`) and 1
+  (a bf16 ``v`` scale, :func:`quantize_mv4_v1`) are read to convert their checkpoints. The one byte per element keeps
+  the state shaped like the parameter (so ``DTensor`` shards it like the parameter) and lets a kernel read and write
+  both moments with one byte access. Li et al. (2023), "Memory Efficient Optimizers with 4-bit States", showed 4-bit
+  moments at AdamW quality with blocks of 128 and a ``v`` code without a zero point.
 
 Stochastic rounding of both moments draws on one 32-bit random word per element (the ``STREAM_MV`` stream). In
 ``compact``, its top 16 bits round ``m`` and its low 16 bits round ``v``. ``8bit`` rounds ``m`` with bits 0-5 (6
@@ -132,6 +139,7 @@ __all__ = [
     "dequantize_v_v1",
     "BLOCK4",
     "quantize_mv4",
+    "quantize_mv4_v3",
     "quantize_mv4_v2",
     "quantize_mv4_v1",
     "v4_scale",
@@ -140,7 +148,9 @@ __all__ = [
     "v4_rand_offset",
     "v4_log_warp",
     "dequantize_mv4",
+    "dequantize_mv4_v3",
     "dequantize_mv4_v2",
+    "v4_m_unit",
     "param_stream",
     "load_moments",
     "store_moments",
@@ -365,8 +375,9 @@ V8_HEADROOM = 2.0  # a v scale that restarts is this times the block's absmax
 V2_MANT, V2_CODE_MAX = 4, 240
 V4_RAND_SHIFT, V4_RAND_BITS = 6, 16  # 4-bit v (version 2): bits 6-21 of the word, see v4_rand_offset
 M4_RAND_SHIFT = 0  # 4-bit m (version 2): bits 0-5 of the word (M_RAND_BITS of them)
-# 4-bit format version 3: m rounds with bits 0-7 of the word, v with bits 8-23; v codes c >= 1 are 2**(2 (c - 15)) of
-# the block's fp32 envelope scale (two binades a code, down to 2**-28), which restarts at 4x the block maximum
+# 4-bit format versions 3 and 4: m rounds with bits 0-7 of the word, v with bits 8-23; v codes c >= 1 are
+# 2**(2 (c - 15)) of the block's fp32 envelope scale (two binades a code, down to 2**-28), which restarts at 4x the
+# block maximum
 M4V3_RAND_BITS = 8
 V4V3_RAND_SHIFT, V4V3_RAND_BITS = 8, 16
 V4_HEADROOM = 4.0
@@ -572,7 +583,8 @@ def _quantize_m4(m: torch.Tensor, rb: torch.Tensor):
 def quantize_mv4_v2(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor):
     """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
     e4m0 code of ``v``; bf16 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``.
-    4-bit format version 2 (kept to test that version 3, :func:`quantize_mv4`, fixes its skewed blocks).
+    4-bit format version 2 (kept to convert its checkpoints and to test that version 3's ``v`` fixes its skewed
+    blocks).
 
     The ``v`` scale is the block's exact absmax in fp32, so the element holding it gets code 15 (the scale itself)
     and a block whose ``v`` only decays keeps all its codes while the scale decays by exactly ``beta2``: no rounding
@@ -638,14 +650,14 @@ def dequantize_mv4_v2(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Te
 
 
 def v4_scale(v_blocks: torch.Tensor, prev_scale: torch.Tensor, beta2: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 4-bit ``v`` scale of format version 3 (fp32, per block of :data:`BLOCK4`) and its fp32 reciprocal: the
-    envelope of :func:`v8_scale` with :data:`V4_HEADROOM` (4) instead of 2, so that a restart puts the block maximum
-    on a code (2**-2 of the scale; a factor 2 would put it between two)."""
+    """The 4-bit ``v`` scale of format versions 3 and 4 (fp32, per block of :data:`BLOCK4`) and its fp32 reciprocal:
+    the envelope of :func:`v8_scale` with :data:`V4_HEADROOM` (4) instead of 2, so that a restart puts the block
+    maximum on a code (2**-2 of the scale; a factor 2 would put it between two)."""
     return _envelope_scale(v_blocks, prev_scale, beta2, V4_HEADROOM)
 
 
 def v4_code(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """The 4-bit ``v`` code (int64) of format version 3 of each fp32 ``y`` in [0, 1] (no NaN), rounded with the
+    """The 4-bit ``v`` code (int64) of format versions 3 and 4 of each fp32 ``y`` in [0, 1] (no NaN), rounded with the
     moments' random word ``bits`` (its bits 8-23, 16 bits).
 
     Codes ``c >= 1`` stand for ``2**(2 (c - 15))``: 1, 2**-2, ..., 2**-28; code 0 for zero only, and a ``y`` in
@@ -678,23 +690,70 @@ def v4_code(y: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def v4_value(code: torch.Tensor) -> torch.Tensor:
-    """fp32 value of 4-bit ``v`` codes of format version 3: ``2**(2 (c - 15))``, and 0 for code 0."""
+    """fp32 value of 4-bit ``v`` codes of format versions 3 and 4: ``2**(2 (c - 15))``, and 0 for code 0."""
     c = code.to(torch.int64)
     val = ((2 * c + (V4_EXP_MIN - 2)) << 23).to(torch.int32).view(torch.float32)
     return torch.where(c > 0, val, torch.zeros_like(val))
 
 
+def v4_m_unit(cv: torch.Tensor) -> torch.Tensor:
+    """The fp32 factor ``2**(c - 15)`` of 4-bit ``v`` codes ``c`` (0 .. 15) that format version 4 codes ``m`` in:
+    ``sqrt`` of the code's value over its scale, 2**-15 for code 0. Built on the fp32 bits (exponent field ``112 +
+    c``), exact."""
+    return ((cv.to(torch.int64) + (127 - V4_CODE_MAX)) << 23).to(torch.int32).view(torch.float32)
+
+
 def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
     """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
     ``v`` code; fp32 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``. 4-bit format
-    version 3.
+    version 4.
 
-    ``m``: sign + e3m0 (``2**(c - 7)``, code 0 zero) of the block's exact fp32 absmax, rounded with 8 random bits (the
-    word's bits 0-7: 6 bits round an ``m`` far below its block's maximum to 0 or 2**-6 with a probability that is only
-    a multiple of 2**-6, and skewed blocks measured worse). ``v``: :func:`v4_code` over :func:`v4_scale` (the
-    envelope of the block maximum; ``prev_v_scale`` the scales stored before this step, ``beta2`` the step's fp32
-    ``beta2``, 0 for a conversion, which restarts every block).
+    ``v`` first, as in version 3: :func:`v4_code` over :func:`v4_scale` (the envelope of the block maximum;
+    ``prev_v_scale`` the scales stored before this step, ``beta2`` the step's fp32 ``beta2``, 0 for a conversion,
+    which restarts every block), its code ``cv``. ``m`` is then coded relative to ``sqrt`` of that code: ``t = |m| *
+    2**(15 - cv)`` (an exact fp32 product, the reciprocal of :func:`v4_m_unit`), sign + e3m0 (``2**(c - 7)``, code 0
+    zero) of ``t`` over the block's exact fp32 absmax of ``t``, rounded with 8 random bits (the word's bits 0-7).
+
+    Why (version 4, issue 45): the update divides ``m`` by ``sqrt(v)``. Version 3 coded ``m`` over its block's
+    absmax of ``|m|``, so in a block whose columns differ in gradient scale an element far below the block's largest
+    ``m`` rounded between 0 and 2**-6 of it, noise that made the mean update of those elements 1.2-1.7x AdamW's on
+    noise-dominated gradients (``scripts/update_size.py``). ``m / sqrt(v)`` is of the same order across such a block
+    (below 1, about 0.23 for pure noise at ``beta1 = 0.9``), so its code keeps every element's precision; since the
+    ``v`` code's value is a power of four times the block scale, ``m / sqrt(v_hat)`` is ``t`` times a constant of the
+    block, which the block scale of ``t`` takes in: no square root.
     """
+    n = m.numel()
+    rb = _blocks(bits, BLOCK4)
+    vb = _blocks(v, BLOCK4)
+    sv, inv = v4_scale(vb, prev_v_scale, beta2)
+    cv = v4_code(_normalized(vb, inv), rb)
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)  # also where v * (1 / scale) underflows to 0
+    mb = _blocks(m, BLOCK4)
+    a = mb.abs() * ((127 + V4_CODE_MAX - cv) << 23).to(torch.int32).view(torch.float32)  # |m| * 2**(15 - cv)
+    sm, inv = _scale_exact(a)
+    y = _normalized(a, inv)
+    cm = minifloat_code(y, _rand_offset(rb, M4_RAND_SHIFT, M4V3_RAND_BITS, 23), 0, M4_BIAS)
+    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
+    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
+    return mv, sm, sv
+
+
+def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
+    """fp32 (m, v) of 4-bit codes ``mv`` of format version 4 (uint8, both moments per byte) and their fp32 block
+    scales: ``m = (+-2**(cm - 7) * m_scale) * v4_m_unit(cv)``, ``v = v4_value(cv) * v_scale``, each product rounded
+    once in that order."""
+    c = _blocks(mv.to(torch.int64), BLOCK4)
+    cm = c & 15
+    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
+    m = (torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]) * v4_m_unit(c >> 4)
+    v = v4_value(c >> 4) * v_scale.float()[:, None]
+    n = mv.numel()
+    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+
+
+def quantize_mv4_v3(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
+    """4-bit format version 3 (read only: kept to convert its checkpoints and to test that version 4 fixes it): as
+    :func:`quantize_mv4`, but ``m`` is coded over its block's absmax of ``|m|`` itself."""
     n = m.numel()
     rb = _blocks(bits, BLOCK4)
     mb = _blocks(m, BLOCK4)
@@ -706,14 +765,14 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_sc
     vb = _blocks(v, BLOCK4)
     sv, inv = v4_scale(vb, prev_v_scale, beta2)
     cv = v4_code(_normalized(vb, inv), rb)
-    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)  # also where v * (1 / scale) underflows to 0
+    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)
     mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
     return mv, sm, sv
 
 
-def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
-    """fp32 (m, v) of 4-bit codes ``mv`` of format version 3 (uint8, both moments per byte) and their fp32 block
-    scales."""
+def dequantize_mv4_v3(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
+    """fp32 (m, v) of 4-bit codes of format version 3 (read only, to convert checkpoints): ``m = +-2**(cm - 7) *
+    m_scale``, ``v`` as in version 4."""
     c = _blocks(mv.to(torch.int64), BLOCK4)
     cm = c & 15
     a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
@@ -760,15 +819,15 @@ def load_moments(state: dict, fmt: str, shape) -> tuple[torch.Tensor, torch.Tens
     """Decode the stored moments of format ``fmt`` (or any float moments) to fp32 tensors of ``shape``.
 
     ``fmt`` may also be ``"8bit_v1"`` or ``"8bit_v2"``, the 8-bit codes of format version 1 or 2 (read only), or
-    ``"4bit_v1"``.
+    ``"4bit_v3"``, ``"4bit_v2"``, ``"4bit_v1"``, the 4-bit codes of format version 3, 2 or 1.
     """
     if fmt in ("8bit", "8bit_v2"):
         m = dequantize_m(state["exp_avg"], state["exp_avg_scale"])
         dq = dequantize_v if fmt == "8bit" else dequantize_v_v2
         v = dq(state["exp_avg_sq"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
-    if fmt in ("4bit", "4bit_v2", "4bit_v1"):
-        dq = dequantize_mv4 if fmt == "4bit" else dequantize_mv4_v2
+    if fmt in ("4bit", "4bit_v3", "4bit_v2", "4bit_v1"):
+        dq = {"4bit": dequantize_mv4, "4bit_v3": dequantize_mv4_v3}.get(fmt, dequantize_mv4_v2)
         m, v = dq(state["exp_avg_mv"], state["exp_avg_scale"], state["exp_avg_sq_scale"])
         return m.view(shape), v.view(shape)
     if fmt == "8bit_v1":
@@ -794,9 +853,10 @@ def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> 
         state["exp_avg"].copy_(round_to_bf16_stochastic(m, bits))
         state["exp_avg_sq"].copy_(round_to_bf16_stochastic(v, (bits & 0xFFFF) << 16))
         return
-    if fmt in ("4bit", "4bit_v2", "4bit_v1"):
-        if fmt == "4bit":
-            mv, sm, sv = quantize_mv4(m, v, bits, state["exp_avg_sq_scale"], beta2)
+    if fmt in ("4bit", "4bit_v3", "4bit_v2", "4bit_v1"):
+        if fmt in ("4bit", "4bit_v3"):
+            quantize = quantize_mv4 if fmt == "4bit" else quantize_mv4_v3
+            mv, sm, sv = quantize(m, v, bits, state["exp_avg_sq_scale"], beta2)
         else:
             mv, sm, sv = (quantize_mv4_v2 if fmt == "4bit_v2" else quantize_mv4_v1)(m, v, bits)
         state["exp_avg_mv"].copy_(mv)
@@ -804,7 +864,8 @@ def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> 
         state["exp_avg_sq_scale"].copy_(sv)
         return
     if fmt != "8bit":
-        raise ValueError(f"cannot encode state format {fmt!r}; allowed: {', '.join(STATE_FORMATS)}, 4bit_v2, 4bit_v1")
+        allowed = ", ".join((*STATE_FORMATS, "4bit_v3", "4bit_v2", "4bit_v1"))
+        raise ValueError(f"cannot encode state format {fmt!r}; allowed: {allowed}")
     cm, sm = quantize_m(m, bits)
     cv, sv = quantize_v(v, bits, state["exp_avg_sq_scale"], beta2)
     state["exp_avg"].copy_(cm)
@@ -816,7 +877,8 @@ def store_moments(state: dict, fmt: str, m, v, key: int, beta2: float = 0.0) -> 
 def param_stream(fmt: str, param_dtype: torch.dtype) -> int:
     """The random stream that rounds a 16-bit parameter: the moments' word for bf16 with ``8bit`` or ``4bit`` state
     (its top 16 bits, which their codes leave unused), else a stream of its own."""
-    return STREAM_MV if fmt in ("8bit", "4bit", "4bit_v2", "4bit_v1") and param_dtype == torch.bfloat16 else STREAM_P
+    shared = fmt in ("8bit", "4bit", "4bit_v3", "4bit_v2", "4bit_v1") and param_dtype == torch.bfloat16
+    return STREAM_MV if shared else STREAM_P
 
 
 def nonfinite_blocks(v: torch.Tensor) -> torch.Tensor:

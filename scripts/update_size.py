@@ -1,5 +1,5 @@
 """The update each state format makes on a weight whose columns differ in gradient scale, against fp32
-``torch.optim.AdamW`` (issue 45: the version-3 4-bit format on noisy, skewed rows).
+``torch.optim.AdamW`` (issue 45: the 4-bit format on noisy, skewed rows).
 
 A weight of ``--rows`` x ``--cols`` elements gets gradients ``1e-3 * row_i * col_j * (N(0, 1) + d_ij)``: ``row`` and
 ``col`` log-normal scales (``exp(N(0, --sigma))``; ``--sigma 0`` makes every element alike), ``d_ij`` a fixed drift
@@ -16,9 +16,8 @@ torch AdamW's over the distance torch AdamW travelled, and the mean ``|update|``
 
 ``--split`` adds which moment does it: the same gradients through a plain AdamW loop (fp32, the update from the new
 moments as in the kernel) whose stored ``m``, ``v`` or both are replaced after each step by their 4-bit round trip
-(``reference.quantize_mv4`` and ``dequantize_mv4``, version 3, or the ``_v2`` functions kept for checkpoints),
-with the random words of ``reference.hash_uniform_bits``; and a prototype (rows "3m/sv", not a format): ``m`` coded
-as ``m / sqrt(v)`` with the same e3m0 code (:func:`split_run`).
+(``reference.quantize_mv4`` and ``dequantize_mv4``, format version 4, or the ``_v3`` and ``_v2`` functions kept for
+checkpoints), with the random words of ``reference.hash_uniform_bits`` (:func:`split_run`).
 
     python scripts/update_size.py [--old DIR] [--steps 400] [--rows 128] [--cols 512] [--sigma 1.0] [--shrink]
         [--split]
@@ -67,27 +66,9 @@ def gradient(t: int, row, col, drift, steps: int, shrink: bool) -> torch.Tensor:
     return row * col * (torch.randn(drift.shape, generator=g) + drift) * scale * 1e-3
 
 
-def e3m0_round_trip(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``x`` through sign + e3m0 codes (``2**(c - 7)`` of its 128-element block's absmax, 0 for code 0), rounded
-    stochastically and unbiased with the uniform ``u``: the 4-bit ``m`` code's values, in floating point (the
-    prototype below, not a format)."""
-    xb = x.view(-1, ref.BLOCK4)
-    scale = xb.abs().amax(1, keepdim=True).clamp_min(1e-38)
-    y = xb.abs() / scale
-    e = torch.floor(torch.log2(y.clamp_min(2.0**-7))).clamp(-7, 0)
-    tiny = y < 2.0**-6
-    lo = torch.where(tiny, torch.zeros_like(y), 2.0**e)
-    hi = torch.where(tiny, torch.full_like(y, 2.0**-6), torch.minimum(2.0 ** (e + 1), torch.ones_like(y)))
-    up = u.view_as(y) < torch.where(hi > lo, (y - lo) / (hi - lo), torch.zeros_like(y))
-    return (torch.sign(xb) * torch.where(up, hi, lo) * scale).view(-1)
-
-
 def split_run(version, quant_m: bool, quant_v: bool, row, col, drift, steps: int, shrink: bool):
     """Every step's update [steps, rows, cols] of a plain fp32 AdamW loop whose stored moments named by ``quant_m``
-    and ``quant_v`` make the 4-bit round trip of format ``version`` (2 or 3) after each step. ``version`` "3m/sv":
-    version 3's ``v``, and instead of ``m`` the ratio ``m / sqrt(v)`` (``v`` as stored) through the same e3m0 code
-    over its block's absmax (:func:`e3m0_round_trip`, torch's random numbers), ``m`` then that times ``sqrt(v)``: a
-    prototype of an ``m`` code whose range follows each element."""
+    and ``quant_v`` make the 4-bit round trip of format ``version`` (2, 3 or 4) after each step."""
     lr, (b1, b2), eps = HP["lr"], HP["betas"], HP["eps"]
     n = drift.numel()
     m, v, v_scale = torch.zeros(n), torch.zeros(n), torch.zeros(-(-n // ref.BLOCK4))
@@ -97,16 +78,11 @@ def split_run(version, quant_m: bool, quant_v: bool, row, col, drift, steps: int
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
         updates.append(lr * (m / (1 - b1 ** (t + 1))) / ((v / (1 - b2 ** (t + 1))).sqrt() + eps))
         bits = ref.hash_uniform_bits(n, 77 + t, torch.device("cpu"))
-        if version == "3m/sv":
-            mv, m_scale, v_scale = ref.quantize_mv4(m, v, bits, v_scale, b2)
-            qv = ref.dequantize_mv4(mv, m_scale, v_scale)[1].reshape(-1)
-            sv = qv.sqrt()
-            r = torch.where(sv > 0, m / sv, torch.zeros_like(m))
-            u = torch.rand(n, generator=torch.Generator().manual_seed(5000 + t))
-            qm = e3m0_round_trip(r, u) * sv
-        elif version == 3:
-            mv, m_scale, v_scale = ref.quantize_mv4(m, v, bits, v_scale, b2)
-            qm, qv = ref.dequantize_mv4(mv, m_scale, v_scale)
+        if version in (3, 4):
+            v3 = (ref.quantize_mv4_v3, ref.dequantize_mv4_v3)
+            quantize, dequantize = (ref.quantize_mv4, ref.dequantize_mv4) if version == 4 else v3
+            mv, m_scale, v_scale = quantize(m, v, bits, v_scale, b2)
+            qm, qv = dequantize(mv, m_scale, v_scale)
         else:
             qm, qv = ref.dequantize_mv4_v2(*ref.quantize_mv4_v2(m, v, bits))
         m = qm.reshape(-1) if quant_m else m
@@ -194,8 +170,8 @@ def split_table(row, col, drift, steps: int, shrink: bool, u_ref, far) -> list[s
         "| version | m quantized | v quantized | all columns | last octile |",
         "|---|---|---|---:|---:|",
     ]
-    for version, kinds in ((2, 3), (3, 3), ("3m/sv", 2)):
-        for qm, qv in ((True, True), (True, False), (False, True))[:kinds]:
+    for version in (2, 3, 4):
+        for qm, qv in ((True, True), (True, False), (False, True)):
             u = split_run(version, qm, qv, row, col, drift, steps, shrink)
             lines.append(
                 f"| {version} | {'yes' if qm else 'no'} | {'yes' if qv else 'no'} | "

@@ -118,8 +118,8 @@ SIGN7, MAG7 = u32(128), u32(127)
 S4, S23 = u32(4), u32(23)
 LOW4, MAG3, SIGN3 = u32(15), u32(7), u32(8)
 M4_OFF = u32(127 - ref.M4_BIAS)
-# 4-bit (format version 3): m's random bits are the word's bits 0-7 (to 15-22, half a unit at 14); v's 16 are its bits
-# 8-23, compared as an integer with the threshold of reference.v4_code
+# 4-bit (format versions 3 and 4): m's random bits are the word's bits 0-7 (to 15-22, half a unit at 14); v's 16 are
+# its bits 8-23, compared as an integer with the threshold of reference.v4_code
 M4_RMASK, S15, M4_HALF = u32((1 << ref.M4V3_RAND_BITS) - 1), u32(15), u32(1 << 14)
 V4_RSHIFT, V4_RMASK = u32(ref.V4V3_RAND_SHIFT), u32((1 << ref.V4V3_RAND_BITS) - 1)
 V4_LEAST_BITS, V4_EXP_MIN, V4_VAL_OFF = u32(ref.V4_EXP_MIN << 23), u32(ref.V4_EXP_MIN), u32(ref.V4_EXP_MIN - 2)
@@ -129,6 +129,9 @@ F_HEADROOM4 = f32(ref.V4_HEADROOM)
 F32_NAN_BITS = u32(0x7FC00000)
 MANT_MASK = u32(0x7FFFFF)
 MIN_NORMAL_M4 = f32(2.0 ** (1 - ref.M4_BIAS))
+# 4-bit format version 4: m is coded as |m| * 2**(15 - cv) (exponent field M4_UP - cv), decoded times 2**(cv - 15)
+# (exponent field cv + M4_UNIT_OFF), cv the element's v code (reference.v4_m_unit)
+M4_UP, M4_UNIT_OFF = u32(127 + ref.V4_CODE_MAX), u32(127 - ref.V4_CODE_MAX)
 
 
 @njit(inline="always")
@@ -367,7 +370,7 @@ def step_8bit(
 def step_4bit(
     p32, p16, g32, g16, codes, m_scale, v_scale, blk_seg, blk_valid, seg_key, hp, p_mode, ntasks, skip, blk_pair
 ):
-    """One chunk with 4-bit state, format version 3 (``codes``: both moments per byte, ``reference.quantize_mv4``;
+    """One chunk with 4-bit state, format version 4 (``codes``: both moments per byte, ``reference.quantize_mv4``;
     ``m_scale``, ``v_scale``: the fp32 scales' bits as uint32); the other arguments as :func:`step_8bit`'s. A block
     of 128 elements is left as it was when its new ``v`` or that of ``blk_pair[b]`` (the other half of its tensor's
     256-element block, -1 where the tensor ends first) has a non-finite value."""
@@ -380,6 +383,8 @@ def step_4bit(
         mbuf = np.empty(BLOCK4, np.float32)
         vbuf = np.empty(BLOCK4, np.float32)
         wbuf = np.empty(BLOCK4, np.uint32)
+        abuf = np.empty(BLOCK4, np.float32)
+        cbuf = np.empty(BLOCK4, np.uint32)
         # both halves of a 256-element block in one task, the first half first: it decides the skip of both, from
         # its own new v and the second half's (computed from that half's state before this task writes it)
         lo, hi = task * nb // ntasks, (task + 1) * nb // ntasks
@@ -398,13 +403,14 @@ def step_4bit(
             sm = bits_f32(m_scale[b])
             sv = bits_f32(v_scale[b])
             for j in range(BLOCK4):
-                # decode: m code c >= 1 is 2**(c - 7) (sign in bit 3), v code c >= 1 is 2**(2 c - 30); code 0 is zero
+                # decode: m code c >= 1 is 2**(c - 7) (sign in bit 3) of the scale, times 2**(cv - 15); v code
+                # cv >= 1 is 2**(2 cv - 30); code 0 is zero
                 byte = u32(codes[base + j])
                 cm = byte & LOW4
                 mag = cm & MAG3
                 a = bits_f32(u32((mag + M4_OFF) << S23))
                 a = a if mag >= ONE_BITS else F_ZERO
-                m = (-a if cm >= SIGN3 else a) * sm
+                m = ((-a if cm >= SIGN3 else a) * sm) * bits_f32(u32(((byte >> S4) + M4_UNIT_OFF) << S23))
                 v = v4_decoded(byte, sv)
                 m, v, p = update(m, v, gbuf[j], pbuf[j], beta1, omb1, beta2, omb2, inv_bc2, eps, step_size, decay)
                 pbuf[j] = p
@@ -419,27 +425,31 @@ def step_4bit(
                 if bad:
                     continue
             key = seg_key[blk_seg[b]]
-            amax_m, amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, key, p_mode)
-            s32m = F32_NAN_BITS if amax_m > INF_BITS else amax_m  # m: the exact fp32 absmax
-            # v: reference.v4_scale, the envelope with 4x headroom
+            amax_v = finish_block(mbuf, vbuf, wbuf, pbuf, p32, p16, base, nv, BLOCK4, key, p_mode)[1]
+            # v: reference.v4_scale, the envelope with 4x headroom, and the codes first (m is coded relative to them)
             env = sv * beta2
             av = bits_f32(amax_v)
             s32v = F32_NAN_BITS if amax_v > INF_BITS else f32_bits(env if av <= env else av * F_HEADROOM4)
-            m_scale[b] = s32m
             v_scale[b] = s32v
-            inv_m = inverse_f32(s32m)
             inv_v = inverse_f32(s32v)
+            amax_m = u32(0)
             for j in range(BLOCK4):
-                w = wbuf[j]
-                m = mbuf[j]
-                x = code_bits(normalized(abs(m), inv_m), MIN_NORMAL_M4)
-                r = ((w & M4_RMASK) << S15) | M4_HALF
-                cm = u32(u32(x + r) >> S23) - M4_OFF
-                cm = cm | SIGN3 if m < F_ZERO else cm
                 v = vbuf[j]
-                cv = v4_code(normalized(v, inv_v), w)
+                cv = v4_code(normalized(v, inv_v), wbuf[j])
                 cv = ONE_BITS if (cv == u32(0)) and (v > F_ZERO) else cv
-                codes[base + j] = np.uint8(cm | (cv << S4))
+                cbuf[j] = cv
+                a = abs(mbuf[j]) * bits_f32(u32((M4_UP - cv) << S23))  # |m| * 2**(15 - cv), exact
+                abuf[j] = a
+                amax_m = max(amax_m, u32(f32_bits(a) & ABS))
+            s32m = F32_NAN_BITS if amax_m > INF_BITS else amax_m  # m: the exact fp32 absmax of |m| * 2**(15 - cv)
+            m_scale[b] = s32m
+            inv_m = inverse_f32(s32m)
+            for j in range(BLOCK4):
+                x = code_bits(normalized(abuf[j], inv_m), MIN_NORMAL_M4)
+                r = ((wbuf[j] & M4_RMASK) << S15) | M4_HALF
+                cm = u32(u32(x + r) >> S23) - M4_OFF
+                cm = cm | SIGN3 if mbuf[j] < F_ZERO else cm
+                codes[base + j] = np.uint8(cm | (cbuf[j] << S4))
 
 
 # ---- host side ----------------------------------------------------------------------------------------------------
@@ -528,9 +538,9 @@ def step_chunk(layout, ch, scratch, grads, s: ref.StepScalars, keys_mv, maximize
             torch._foreach_copy_(*io["moments_in"])
         codes = [_np(io["mom"])] if four else [_np(io["mom_m"]), _np(io["mom_v"])]
         ms, vs = _np(io["scl_m"]), _np(io["scl_v"])
-    vs = vs.view(np.uint32)  # the fp32 v scales (8-bit version 3, 4-bit version 3) as their bits
+    vs = vs.view(np.uint32)  # the fp32 v scales (8-bit version 3, 4-bit version 4) as their bits
     if four:
-        ms = ms.view(np.uint32)  # 4-bit version 3: fp32 m scales too
+        ms = ms.view(np.uint32)  # 4-bit version 4: fp32 m scales too
     if g.dtype == torch.float32:
         g32, g16 = _np(g), _EMPTY_U16
     elif g.dtype == torch.bfloat16:

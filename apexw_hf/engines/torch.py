@@ -32,10 +32,10 @@ for a CPU:
   :mod:`apexw_hf._random` on the host once per step and are spread over a packed chunk per block.
 * The correctly rounded fp32 square root comes from NumPy on the CPU (the IEEE instruction; ``torch.sqrt`` on the
   CPU is a polynomial that may be 1 ulp off, see ``reference.sqrt_rn``, which this engine uses on other devices).
-* 8-bit and 4-bit state (format version 3) are decoded and encoded by the reference's own functions over the chunk's
-  whole blocks (its blocks and random words are the reference's per tensor): exact, but several times slower than
-  passes of their own would be, which they do not have yet; the numba path (the CPU default) and the Triton kernels
-  have theirs.
+* 8-bit (format version 3) and 4-bit state (format version 4) are decoded and encoded by the reference's own functions
+  over the chunk's whole blocks (its blocks and random words are the reference's per tensor): exact, but several times
+  slower than passes of their own would be, which they do not have yet; the numba path (the CPU default) and the Triton
+  kernels have theirs.
 * The bit-level shortcut of stochastic rounding to bf16 does not handle NaN; where a compact chunk's moments hold a
   NaN the reference's own functions encode that chunk, and a bf16 parameter chunk with a NaN goes through
   ``reference.round_param`` (same bits, slower; NaN is rare and poisons the run anyway). fp16 parameters with
@@ -218,7 +218,7 @@ class _Layout:
         scl, parts = None, None
         if blk:
             sdt = SCALE_DTYPES[fmt]
-            if sdt[0] == sdt[1]:  # 4-bit (format version 3): both fp32, in one buffer
+            if sdt[0] == sdt[1]:  # 4-bit (format version 4): both fp32, in one buffer
                 scl = torch.zeros(2 * nb, dtype=sdt[0], device=dev)
                 parts = (scl[:nb], scl[nb:])
             else:  # 8-bit (format version 3): bf16 m scales, fp32 v scales
@@ -633,7 +633,7 @@ def _step_chunk(layout: _Layout, ch: _Chunk, sc: Scratch, grads, k, keys_mv, key
     if layout.fmt == "8bit":  # format version 3: the reference's decoding (module docstring)
         b.m.copy_(ref.dequantize_m(o.m_state, o.m_scale).reshape(-1))
         b.v.copy_(ref.dequantize_v(o.v_state, o.v_scale).reshape(-1))
-    elif layout.fmt == "4bit":  # format version 3: the reference's decoding (m_state: both moments' codes)
+    elif layout.fmt == "4bit":  # format version 4: the reference's decoding (m_state: both moments' codes)
         m, v = ref.dequantize_mv4(o.m_state, o.m_scale, o.v_scale)
         b.m.copy_(m.reshape(-1))
         b.v.copy_(v.reshape(-1))
@@ -757,7 +757,7 @@ def _round_and_encode(layout: _Layout, ch: _Chunk, c, b, o: _Operands, k, keys_m
         qv, qvs = ref.quantize_v(V, bits, v_scale, float(k[2]))  # k[2]: beta2
         for dst, x in ((m_state, qm), (m_scale, qms), (v_state, qv), (v_scale, qvs)):
             dst.copy_(x.view(dst.shape))
-    elif fmt == "4bit":  # format version 3: the reference's encoding over the chunk's whole blocks
+    elif fmt == "4bit":  # format version 4: the reference's encoding over the chunk's whole blocks
         qmv, qms, qvs = ref.quantize_mv4(M, V, full_bits(b), v_scale, float(k[2]))  # k[2]: beta2
         for dst, x in ((m_state, qmv), (m_scale, qms), (v_scale, qvs)):
             dst.copy_(x.view(dst.shape))

@@ -698,12 +698,16 @@ class ApexW(torch.optim.Optimizer):
     # ---- checkpoints ---------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``torch.optim.Optimizer.state_dict``; with ``gradient_release`` also ``"gradient_release"``: the last global
-        gradient norm and partial sums (floats), which the next step's clipping uses, so a resumed run clips as an
-        unbroken one (a JSON copy also goes into the first param group, which torch.distributed.checkpoint keeps)."""
+        """``torch.optim.Optimizer.state_dict``, each param group also carrying ``exp_avg_mv_version`` (the 4-bit
+        format version of its entries, :data:`apexw_hf.formats.MV4_VERSION_KEY`); with ``gradient_release`` also
+        ``"gradient_release"``: the last global gradient norm and partial sums (floats), which the next step's clipping
+        uses, so a resumed run clips as an unbroken one (a JSON copy also goes into the first param group, which
+        torch.distributed.checkpoint keeps)."""
         if self._offload is not None:
             self._offload.sync()  # the host copies hold every update (they are what the state dict holds)
         out = super().state_dict()
+        for group in out["param_groups"]:  # versions 3 and 4 of 4-bit codes have the same tensors: say which
+            group[st.MV4_VERSION_KEY] = st.MV4_VERSION
         if self._release is not None:
             out["gradient_release"] = self._release.state()
         return out
@@ -765,10 +769,11 @@ class ApexW(torch.optim.Optimizer):
         for g in saved_groups:
             if g.get("amsgrad"):
                 raise ValueError("cannot load a state dict with amsgrad=True: ApexW has no max_exp_avg_sq")
+        mv4_version = {pid: st.saved_mv4_version(g) for g in saved_groups for pid in g["params"]}
         groups = []
         for saved, ours in zip(saved_groups, self.param_groups):
             # the gradient-release copy in the first group is read by release.py's load hook, not a hyperparameter
-            skip = (*_TORCH_ONLY_KEYS, GROUP_STATE_KEY)
+            skip = (*_TORCH_ONLY_KEYS, GROUP_STATE_KEY, st.MV4_VERSION_KEY)
             group = copy.deepcopy({k: v for k, v in saved.items() if k != "params" and k not in skip})
             group["params"] = ours["params"]
             if "param_names" in ours and "param_names" not in group:
@@ -787,7 +792,12 @@ class ApexW(torch.optim.Optimizer):
             # offloaded state is converted on the host: on the parameter's device the whole state dict would be there
             like = p if self._offload is None else dt.host_stand_in(p)
             converted = st.convert_state(
-                entry, like, group["state_format"], seed=group["seed"], tensor_index=self._tensor_index(p)
+                entry,
+                like,
+                group["state_format"],
+                seed=group["seed"],
+                tensor_index=self._tensor_index(p),
+                mv4_version=mv4_version[key],
             )
             if converted:
                 state[p] = converted

@@ -335,14 +335,17 @@ def test_8bit_format_v1_checkpoint_for_other_shapes_is_refused():
 
 
 def _within_one_4bit_code(got_m, got_v, m, v):
-    """Decoded 4-bit moments are one of the two codes around the exact value (m: a power of two of the block scale on
-    either side, v: a power of four of its scale, 4x the block maximum after a conversion; under the smallest code, 0
-    or that code); m keeps its sign, v stays nonzero where it was."""
+    """Decoded 4-bit moments are one of the two codes around the exact value (v: a power of four of its scale, 4x the
+    block maximum after a conversion; m, coded as ``m / sqrt(v's code)``: a power of two on either side, or under the
+    smallest code 0 or that code, 2**-6 of the block's largest ``|m| / sqrt(got_v)`` times its own ``sqrt(got_v)``);
+    m keeps its sign, v stays nonzero where it was."""
     n = m.numel()
-    top_m = ref._blocks(m.abs(), ref.BLOCK4).amax(1).repeat_interleave(ref.BLOCK4)[:n].view(m.shape) * 1.01
+    root = got_v.sqrt()
+    ratio = torch.where(root > 0, m.abs() / root, torch.zeros_like(root))
+    top_r = ref._blocks(ratio, ref.BLOCK4).amax(1).repeat_interleave(ref.BLOCK4)[:n].view(m.shape) * 1.01
     top_v = ref._blocks(v, ref.BLOCK4).amax(1).repeat_interleave(ref.BLOCK4)[:n].view(v.shape) * 1.01
     return (
-        bool(((got_m - m).abs() <= torch.maximum(m.abs(), top_m * 2.0**-6)).all())
+        bool(((got_m - m).abs() <= torch.maximum(m.abs(), top_r * root * 2.0**-6)).all())
         and bool(((got_v - v).abs() <= torch.maximum(3 * v, top_v * 2.0**-26)).all())
         and bool((torch.sign(got_m) * torch.sign(m) >= 0).all())
         and bool(((got_v > 0) == (v > 0)).all())

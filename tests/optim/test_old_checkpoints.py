@@ -1,14 +1,18 @@
-"""Checkpoints of earlier state format versions: recognised by their ``v`` scales, converted on load into today's
-version deterministically (decoded, then re-encoded with the random stream of their step), converted into the other
-formats, refused with a clear error and no change when damaged.
+"""Checkpoints of earlier state format versions: recognised by their scales' dtypes (4-bit version 3 by its state
+dict's lack of ``exp_avg_mv_version``), converted on load into today's version deterministically (decoded, then
+re-encoded with the random stream of their step), converted into the other formats, refused with a clear error and
+no change when damaged.
 
 Each file under ``data/`` was written by the package at the last commit with that version: the optimizer (lr 1e-2,
 seed 7) over a (3, 299) and a (17,) parameter, six steps (the 8-bit one with skewed gradients: one element in 256 at
 3.0, the others near 1e-3).
 
-- ``apexw4bit_v1_a329abf.pt``: 4-bit version 1 (bf16 ``m`` and ``v`` scales), converted into version 3;
+- ``apexw4bit_v1_a329abf.pt``: 4-bit version 1 (bf16 ``m`` and ``v`` scales), converted into version 4;
 - ``apexw4bit_v2_0f676df.pt``: 4-bit version 2 (a bf16 ``m`` scale, an fp32 ``v`` scale; skewed gradients: one element
-  in 128 at 3.0 N(0, 1), the others near 1e-3), converted into version 3;
+  in 128 at 3.0 N(0, 1), the others near 1e-3), converted into version 4;
+- ``apexw4bit_v3_9c47f27.pt``: 4-bit version 3 (fp32 ``m`` and ``v`` scales, as version 4; its param groups carry no
+  ``exp_avg_mv_version``; the parameters drawn from ``torch.Generator().manual_seed(0)``, the same skewed gradients),
+  converted into version 4;
 - ``apexw8bit_v2_745d1b6.pt``: 8-bit version 2 (bf16 ``v`` scales), converted into version 3.
 """
 
@@ -32,7 +36,7 @@ DATA = Path(__file__).parent / "data"
 class Old:
     file: str
     cls: type
-    old_format: str  # what formats.state_format_of calls it
+    old_format: str  # what formats.state_format_of calls it (with the version its state dict declares)
     new_format: str
     decode: Callable  # a saved entry -> its (m, v), as the old version decoded them
     v_tol: dict  # target format -> relative tolerance of the decoded v after the conversion
@@ -47,6 +51,11 @@ OLD = {
     "4bit_v2": Old(
         "apexw4bit_v2_0f676df.pt", ApexW4bit, "4bit_v2", "4bit",
         lambda e: ref.dequantize_mv4_v2(e["exp_avg_mv"], e["exp_avg_scale"], e["exp_avg_sq_scale"]),
+        {"fp32": 0.0, "compact": 2.0**-7, "8bit": 2.0**-3},
+    ),
+    "4bit_v3": Old(
+        "apexw4bit_v3_9c47f27.pt", ApexW4bit, "4bit_v3", "4bit",
+        lambda e: ref.dequantize_mv4_v3(e["exp_avg_mv"], e["exp_avg_scale"], e["exp_avg_sq_scale"]),
         {"fp32": 0.0, "compact": 2.0**-7, "8bit": 2.0**-3},
     ),
     "8bit_v2": Old(
@@ -84,14 +93,18 @@ def _same(opt, snap):
 
 @pytest.mark.parametrize("version", OLD)
 def test_old_entries_are_recognised_by_their_scales(version):
-    """A bf16 v scale (4-bit and 8-bit version 1, 8-bit version 2), or a bf16 m scale beside an fp32 v scale (4-bit
-    version 2; version 3 has both fp32)."""
+    """A bf16 v scale (4-bit and 8-bit version 1, 8-bit version 2), a bf16 m scale beside an fp32 v scale (4-bit
+    version 2), both fp32 in a state dict that declares no 4-bit version (4-bit version 3: version 4's tensors)."""
     old = OLD[version]
     saved, _ = _load(old)
+    group = saved["optimizer"]["param_groups"][0]
+    assert st.MV4_VERSION_KEY not in group and st.saved_mv4_version(group) == 3
     for entry in saved["optimizer"]["state"].values():
-        assert entry["exp_avg_sq_scale"].dtype == (torch.float32 if version == "4bit_v2" else torch.bfloat16)
-        assert entry["exp_avg_scale"].dtype == torch.bfloat16
-        assert st.state_format_of(entry) == old.old_format
+        fp32_v = version in ("4bit_v2", "4bit_v3")
+        assert entry["exp_avg_sq_scale"].dtype == (torch.float32 if fp32_v else torch.bfloat16)
+        assert entry["exp_avg_scale"].dtype == (torch.float32 if version == "4bit_v3" else torch.bfloat16)
+        assert st.state_format_of(entry, st.saved_mv4_version(group)) == old.old_format
+        assert st.state_format_of(entry) == ("4bit" if version == "4bit_v3" else old.old_format)
 
 
 @pytest.mark.parametrize("version", OLD)
@@ -201,18 +214,32 @@ def test_damaged_4bit_v1_state_is_refused_and_changes_nothing(edit, match):
     assert _same(opt, before)
 
 
-def test_4bit_v2_keeps_m_and_v_close():
-    """4-bit version 3 codes m as version 2 did, over the exact absmax instead of the absmax rounded up to bf16, and v
-    in codes of two binades: the converted checkpoint's m is version 2's within one code step (a factor 2, or 0 and the
-    least code), its v within one v code step (a factor 4)."""
-    for m, v, got in _converted(OLD["4bit_v2"], ApexW4bit):
-        amax = m.abs().reshape(-1).max()
-        assert ((got["exp_avg"] - m).abs() <= torch.maximum(m.abs(), amax * 2.0**-6)).all()
-        assert (got["exp_avg_sq"] <= 4 * v).all() and (got["exp_avg_sq"] >= v / 4).all()
+def _within_a_4bit_code(got: dict, m: torch.Tensor, v: torch.Tensor, opt_state: dict) -> None:
+    """Version 4's rounding of the decoded ``m`` and ``v`` that it converted: ``m`` within one code step (a factor 2)
+    or, below the least code, within 2**-6 of its block's scale times its ``v`` code's unit ``2**(cv - 15)``; ``v``
+    within one code step (a factor 4)."""
+    cv = (opt_state["exp_avg_mv"].reshape(-1).long() >> 4)
+    scale = opt_state["exp_avg_scale"].repeat_interleave(ref.BLOCK4)[: m.numel()]
+    least = scale * ref.v4_m_unit(cv) * 2.0**-6
+    assert ((got["exp_avg"] - m).abs().reshape(-1) <= torch.maximum(m.abs().reshape(-1), least)).all()
+    assert (got["exp_avg_sq"] <= 4 * v).all() and (got["exp_avg_sq"] >= v / 4).all()
 
 
-def test_4bit_v3_state_dict_says_its_version():
-    """A saved version-3 entry holds fp32 m and v scales (the version) and reloads as itself, bit for bit."""
+@pytest.mark.parametrize("version", ["4bit_v2", "4bit_v3"])
+def test_4bit_v2_and_v3_keep_m_and_v_close(version):
+    """The converted checkpoint's moments are the old version's within one step of version 4's codes."""
+    saved, params = _load(OLD[version])
+    opt = ApexW4bit(params)
+    opt.load_state_dict(saved["optimizer"])
+    for i, p in enumerate(params):
+        m, v = OLD[version].decode(saved["optimizer"]["state"][i])
+        _within_a_4bit_code(opt.dequantized_state(p), m, v, opt.state[p])
+
+
+def test_4bit_state_dict_says_its_version():
+    """A saved entry holds fp32 m and v scales and every param group ``exp_avg_mv_version`` 4: it reloads as itself,
+    bit for bit. The same tensors without the key are read as version 3 and converted; a version this package does
+    not know is refused, naming it, and changes nothing."""
     p = torch.nn.Parameter(torch.randn(300))
     opt = ApexW4bit([p])
     p.grad = torch.randn(300)
@@ -220,8 +247,24 @@ def test_4bit_v3_state_dict_says_its_version():
     sd = opt.state_dict()
     entry = sd["state"][0]
     assert entry["exp_avg_scale"].dtype == entry["exp_avg_sq_scale"].dtype == torch.float32
+    assert sd["param_groups"][0][st.MV4_VERSION_KEY] == 4 and st.MV4_VERSION_KEY not in opt.param_groups[0]
     assert st.state_format_of(entry) == "4bit"
     q = torch.nn.Parameter(p.detach().clone())
     opt2 = ApexW4bit([q])
     opt2.load_state_dict(sd)
     assert all(same_bits(opt2.state[q][k], opt.state[p][k]) for k in ("exp_avg_mv", *st.SCALE_KEYS))
+    assert st.MV4_VERSION_KEY not in opt2.param_groups[0]  # not a hyperparameter
+    groups = [{k: v for k, v in g.items() if k != st.MV4_VERSION_KEY} for g in sd["param_groups"]]
+    as_v3 = {**sd, "param_groups": groups}
+    opt3 = ApexW4bit([torch.nn.Parameter(p.detach().clone())])
+    opt3.load_state_dict(as_v3)
+    m3, v3 = ref.dequantize_mv4_v3(entry["exp_avg_mv"], entry["exp_avg_scale"], entry["exp_avg_sq_scale"])
+    want = st.init_state(p, "4bit")
+    ref.store_moments(want, "4bit", m3, v3, ref.stream_key(0, 0, 1, ref.STREAM_MV))
+    got = next(iter(opt3.state.values()))
+    assert all(same_bits(got[k], want[k]) for k in ("exp_avg_mv", *st.SCALE_KEYS))
+    future = {**sd, "param_groups": [{**g, st.MV4_VERSION_KEY: 5} for g in sd["param_groups"]]}
+    before = _snapshot(opt2)
+    with pytest.raises(ValueError, match="4-bit format version 5 .*reads versions 3 and 4"):
+        opt2.load_state_dict(future)
+    assert _same(opt2, before)

@@ -81,7 +81,7 @@ def test_update_size_tiny_run_against_an_old_package(tmp_path):
     text = load_script("update_size").main(argv)
     rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
     assert rows["4bit_old"].split(" | ")[1:] == rows["4bit"].split(" | ")[1:]
-    assert sum(line.startswith(("| 2 | ", "| 3 | ", "| 3m/sv | ")) for line in text.splitlines()) == 8
+    assert sum(line.startswith(("| 2 | ", "| 3 | ", "| 4 | ")) for line in text.splitlines()) == 9
     assert "command: `python scripts/update_size.py --old" in text
 
 

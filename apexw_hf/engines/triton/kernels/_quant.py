@@ -1,5 +1,5 @@
 """Triton helpers of the block formats: 8-bit version 3 (``reference.quantize_m`` / ``quantize_v`` and inverses) and
-4-bit version 3 (``reference.quantize_mv4`` / ``dequantize_mv4``).
+4-bit version 4 (``reference.quantize_mv4`` / ``dequantize_mv4``).
 
 A tile is ``[ROWS, 256]``: one row per quantization block, so a block's scale is a reduction along axis 1.
 
@@ -18,9 +18,11 @@ multiplication replaces the reference's comparison, addition and selection, and 
 offset, shifted, are the code. The shift is folded into the addition (``(bits(t) << s) + (offset << s)``, one LEA or
 IMAD) so that the code lands in the top byte.
 
-4-bit state (``reference.quantize_mv4``, format version 3) holds both codes in one byte: bits 0-2 the ``m`` magnitude
+4-bit state (``reference.quantize_mv4``, format version 4) holds both codes in one byte: bits 0-2 the ``m`` magnitude
 (e3m0, exponent bias 7), bit 3 its sign, bits 4-7 the ``v`` code (``2**(2 (c - 15))``, code 0 zero); both scales are
-fp32: ``m``'s the exact absmax (canonical NaN), ``v``'s the envelope of ``reference.v4_scale``. The tile stays
+fp32: ``v``'s the envelope of ``reference.v4_scale``, ``m``'s the exact absmax (canonical NaN) of ``|m| * 2**(15 -
+c)``, ``c`` the element's new ``v`` code (so ``v`` is coded first; the factor is the fp32 whose exponent field is
+``127 + (c ^ 15)``, an exact product). The tile stays
 ``[ROWS, 256]``; block scales are reductions over its ``[2 * ROWS, 128]`` reshape (a row of 256 elements, one warp,
 holds two 4-bit blocks). ``m`` is encoded on ``y * 2**-120`` (bias 7: its subnormal boundary 2**-6 lands on fp32's
 2**-126, and the ulp 2**-29 of the reference's ``y + 2**-6`` is 2**-149 * 2**120); with no mantissa bits its code is
@@ -29,7 +31,8 @@ the fp32 exponent field of that product once the random offset (the word's bits 
 operation, so nothing that contraction into a fused multiply-add could change. Decoding: the ``m`` code goes through
 fp16 as for 8 bits (the fp16 exponent field with bias 15, moved to bias 7 by an exact fp16 multiplication by 256, two
 codes at a time); the ``v`` code ``c`` is the fp32 with bits ``c << 24`` (``2**(2 c - 127)``, zero for code 0) times
-2**97.
+2**97; ``m`` is then multiplied by ``2**(c - 15)``, the fp32 with exponent field ``c + 112``: half the ``v`` code's
+bits plus a constant (:func:`_m4_units`).
 """
 
 import triton
@@ -63,6 +66,9 @@ V4_AQ_LO, V4_A1, V4_UNIT_HI = tl.constexpr(237 * 3 * 2**23 - 2**32), tl.constexp
 V4_CODE_OFF = tl.constexpr((49 << 24) - (1 << 23))
 TWO_POW_97 = tl.constexpr(2.0**97)
 V4_HEADROOM = tl.constexpr(4.0)
+# 4-bit m (format version 4): coded as |m| * 2**(15 - cv), the fp32 with exponent field 127 + (cv ^ 15) (15 - cv for
+# a code of 4 bits); decoded times 2**(cv - 15), exponent field cv + 112 (M4_UNIT_BITS added to cv << 23)
+M4_UNIT_BITS = tl.constexpr((127 - 15) << 23)
 
 
 @triton.jit
@@ -288,17 +294,26 @@ def _v4_values(hi):
 
 
 @triton.jit
+def _m4_units(hi):
+    """The factor ``2**(c - 15)`` of format version 4's ``m`` (``reference.v4_m_unit``) of 4-bit ``v`` codes ``c``
+    held at bits 24-27 of uint32 ``hi``: the fp32 with exponent field ``c + 112``, exact."""
+    return ((hi >> 1) + M4_UNIT_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dequant_mv4(codes, m_scale, v_scale):
     """uint8 4-bit codes [R, 256] and fp32 ``m`` and ``v`` scales [2 * R] -> fp32 (m, v) (``reference.dequantize_mv4``,
-    format version 3).
+    format version 4).
 
-    ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``); ``v``: see
-    :func:`_v4_values`; each times its block's scale: the reference's one rounded product of two exact values.
+    ``m``: the fp16 ``sign << 15 | c << 10`` moved to bias 7 is ``+-2**(c - 7)`` (``+-0`` for ``c = 0``), times its
+    block's scale, then times :func:`_m4_units`; ``v``: see :func:`_v4_values`, times its block's scale: the
+    reference's products in its order.
     """
     c = codes.to(tl.uint32)
     hm = _m4_halves(((c << 10) & 0x1C00) | ((c << 12) & 0x8000))  # the high half stays 0
-    m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), m_scale)
-    v = _by_block4(_v4_values((c << 20) & 0x0F000000), v_scale)
+    hv = (c << 20) & 0x0F000000
+    m = _by_block4(_f16_bits_to_f32(hm.to(tl.uint16)), m_scale) * _m4_units(hv)
+    v = _by_block4(_v4_values(hv), v_scale)
     return m, v
 
 
@@ -314,13 +329,12 @@ def dequant_mv4_words(w, m_scale, v_scale):
     x = tl.join(_halves_to_f16(m_even), _halves_to_f16(m_odd)) * 256.0  # [R, W, 2 (bytes 0|1, 2|3), 2 (even, odd)]
     m = tl.reshape(x.to(tl.float32), (w.shape[0], 4 * w.shape[1]))
     # v: each byte's high nibble moved to bits 24-27 of a word of its own, joined as in dequant_v_words
-    b0 = _v4_values((w << 20) & 0x0F000000)
-    b1 = _v4_values((w << 12) & 0x0F000000)
-    b2 = _v4_values((w << 4) & 0x0F000000)
-    b3 = _v4_values((w >> 4) & 0x0F000000)
-    x = tl.join(tl.join(b0, b2), tl.join(b1, b3))
-    v = tl.reshape(x, (w.shape[0], 4 * w.shape[1]))
-    return _by_block4(m, m_scale), _by_block4(v, v_scale)
+    b0 = (w << 20) & 0x0F000000
+    b1 = (w << 12) & 0x0F000000
+    b2 = (w << 4) & 0x0F000000
+    b3 = (w >> 4) & 0x0F000000
+    hv = tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), (w.shape[0], 4 * w.shape[1]))
+    return _by_block4(m, m_scale) * _m4_units(hv), _by_block4(_v4_values(hv), v_scale)
 
 
 @triton.jit
@@ -357,7 +371,8 @@ def v4_code(y, bits):
 def quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R], both
     fp32): scales of 128-element blocks; bits 0-7 of the 32 random ``bits`` round ``m``, bits 8-23 round ``v``
-    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 3). ``vmax``: the
+    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 4: ``m`` is coded as
+``|m| * 2**(15 - cv)``, after ``v``). ``vmax``: the
     absmax bits of ``v``'s 128-element blocks [2 * R] (:func:`row_max_bits`); ``one``: [2 * R, 1], as in
     :func:`quant_m`; ``prev``: the fp32 ``v`` scales stored before this step [2 * R]; ``beta2``: the step's fp32 beta2.
     ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
@@ -369,13 +384,13 @@ def quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     v = tl.reshape(v, (2 * R, 128))
     mask = tl.reshape(mask, (2 * R, 128))
     bits = tl.reshape(bits, (2 * R, 128))
-    a = tl.abs(m)
-    msb, minv = block_scale_f32(a, mask, not EVEN)
     vsb, vinv = v4_scale(vmax, prev, beta2)
-    ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
-    xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
     cv = tl.maximum(v4_code(yv, bits), (v > after(vinv)).to(tl.int32)).to(tl.uint32)
+    a = tl.abs(m) * (((cv ^ 15) + 127) << 23).to(tl.float32, bitcast=True)  # |m| * 2**(15 - cv), exact
+    msb, minv = block_scale_f32(a, mask, not EVEN)
+    ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
+    xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
     x = (xm >> 28) | (cv << 4)
     x = tl.where(m < after(minv), x | 8, x)
     return tl.reshape(x.to(tl.uint8), (R, 256)), msb, vsb

@@ -24,7 +24,7 @@ and the program adds the rows it skipped to the optimizer's counters last (:func
 Formats (``FMT``): ``"fp32"`` moments stored exactly; ``"compact"`` bf16 moments written with stochastic rounding;
 ``"8bit"`` uint8 minifloat codes (format version 3) with one scale per 256 elements and moment (bf16 for ``m``, an
 fp32 envelope for ``v``); ``"4bit"`` both moments' 4-bit codes in one byte per element (``exp_avg_mv``, format
-version 3), one fp32 scale per 128 elements and moment. bf16/fp16
+version 4), one fp32 scale per 128 elements and moment. bf16/fp16
 parameters are rounded stochastically (``STOCHASTIC_PARAM``) or to nearest. With 8-bit or 4-bit state, a bf16
 parameter is rounded with the top 16 bits of the moments' random word (``reference.param_stream``), so the kernel
 hashes one word per element.
@@ -263,7 +263,7 @@ def _adamw_kernel(
             srows = tl.arange(0, 2 * ROWS)
             bmask = srows * QBLOCK4 < rest  # blocks holding an element
             blk0 = chunk.to(tl.int64) * (2 * ROWS)
-            # format version 3: both scales are fp32 (v's an envelope that the encoding reads back)
+            # format version 4: both scales are fp32 (v's an envelope that the encoding reads back)
             ms_addr = tl.load(state_ptr + (ADDR_M_SCALE - ADDR_M) * num_tensors + t)
             ms_ptr = ms_addr.to(tl.pointer_type(tl.uint32)) + blk0
             vs_addr = tl.load(state_ptr + (ADDR_V_SCALE - ADDR_M) * num_tensors + t)
