@@ -703,6 +703,42 @@ def v4_m_unit(cv: torch.Tensor) -> torch.Tensor:
     return ((cv.to(torch.int64) + (127 - V4_CODE_MAX)) << 23).to(torch.int32).view(torch.float32)
 
 
+def _code_v4(vb: torch.Tensor, rb: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
+    """Blocks of fp32 ``v`` -> (its codes of versions 3 and 4, int64; the fp32 ``v`` scales): :func:`v4_code` over
+    :func:`v4_scale`, a nonzero ``v`` never code 0 (also where ``v * (1 / scale)`` underflows to 0)."""
+    sv, inv = v4_scale(vb, prev_v_scale, beta2)
+    cv = v4_code(_normalized(vb, inv), rb)
+    return torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv), sv
+
+
+def _code_m4(mb: torch.Tensor, a: torch.Tensor, rb: torch.Tensor):
+    """Blocks of magnitudes ``a`` (of ``mb``'s elements) -> (sign + e3m0 codes of ``a`` over the block's exact fp32
+    absmax of ``a``, the sign ``mb``'s, rounded with the word's bits 0-7; the fp32 scales)."""
+    sm, inv = _scale_exact(a)
+    cm = minifloat_code(_normalized(a, inv), _rand_offset(rb, M4_RAND_SHIFT, M4V3_RAND_BITS, 23), 0, M4_BIAS)
+    return cm | torch.where(mb < 0, M4_SIGN, 0), sm
+
+
+def _pack4(cm: torch.Tensor, cv: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Both codes in one uint8 per element (``m`` bits 0-3, ``v`` bits 4-7), shaped like ``like``."""
+    return (cm | (cv << 4)).reshape(-1)[: like.numel()].to(torch.uint8).view(like.shape)
+
+
+def _decode_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor, m_unit: bool):
+    """fp32 (m, v) of 4-bit codes of versions 3 and 4: ``m = +-2**(cm - 7) * m_scale``, times :func:`v4_m_unit` of
+    the byte's ``v`` code with ``m_unit`` (version 4); ``v = v4_value(cv) * v_scale``; each product rounded once in
+    that order."""
+    c = _blocks(mv.to(torch.int64), BLOCK4)
+    cm = c & 15
+    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
+    m = torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]
+    if m_unit:
+        m = m * v4_m_unit(c >> 4)
+    v = v4_value(c >> 4) * v_scale.float()[:, None]
+    n = mv.numel()
+    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+
+
 def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
     """fp32 moments -> (uint8 ``exp_avg_mv`` shaped like ``m``: bits 0-3 the sign + e3m0 code of ``m``, bits 4-7 the
     ``v`` code; fp32 ``m`` scales; fp32 ``v`` scales), scales of shape ``(num_blocks(numel, BLOCK4),)``. 4-bit format
@@ -722,64 +758,35 @@ def quantize_mv4(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_sc
     ``v`` code's value is a power of four times the block scale, ``m / sqrt(v_hat)`` is ``t`` times a constant of the
     block, which the block scale of ``t`` takes in: no square root.
     """
-    n = m.numel()
     rb = _blocks(bits, BLOCK4)
-    vb = _blocks(v, BLOCK4)
-    sv, inv = v4_scale(vb, prev_v_scale, beta2)
-    cv = v4_code(_normalized(vb, inv), rb)
-    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)  # also where v * (1 / scale) underflows to 0
+    cv, sv = _code_v4(_blocks(v, BLOCK4), rb, prev_v_scale, beta2)
     mb = _blocks(m, BLOCK4)
-    a = mb.abs() * ((127 + V4_CODE_MAX - cv) << 23).to(torch.int32).view(torch.float32)  # |m| * 2**(15 - cv)
-    sm, inv = _scale_exact(a)
-    y = _normalized(a, inv)
-    cm = minifloat_code(y, _rand_offset(rb, M4_RAND_SHIFT, M4V3_RAND_BITS, 23), 0, M4_BIAS)
-    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
-    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
-    return mv, sm, sv
+    up = ((127 + V4_CODE_MAX - cv) << 23).to(torch.int32).view(torch.float32)  # 2**(15 - cv): 1 / v4_m_unit(cv)
+    cm, sm = _code_m4(mb, mb.abs() * up, rb)
+    return _pack4(cm, cv, m), sm, sv
 
 
 def dequantize_mv4(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
     """fp32 (m, v) of 4-bit codes ``mv`` of format version 4 (uint8, both moments per byte) and their fp32 block
     scales: ``m = (+-2**(cm - 7) * m_scale) * v4_m_unit(cv)``, ``v = v4_value(cv) * v_scale``, each product rounded
     once in that order."""
-    c = _blocks(mv.to(torch.int64), BLOCK4)
-    cm = c & 15
-    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
-    m = (torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]) * v4_m_unit(c >> 4)
-    v = v4_value(c >> 4) * v_scale.float()[:, None]
-    n = mv.numel()
-    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+    return _decode_mv4(mv, m_scale, v_scale, m_unit=True)
 
 
 def quantize_mv4_v3(m: torch.Tensor, v: torch.Tensor, bits: torch.Tensor, prev_v_scale: torch.Tensor, beta2: float):
     """4-bit format version 3 (read only: kept to convert its checkpoints and to test that version 4 fixes it): as
     :func:`quantize_mv4`, but ``m`` is coded over its block's absmax of ``|m|`` itself."""
-    n = m.numel()
     rb = _blocks(bits, BLOCK4)
     mb = _blocks(m, BLOCK4)
-    a = mb.abs()
-    sm, inv = _scale_exact(a)
-    y = _normalized(a, inv)
-    cm = minifloat_code(y, _rand_offset(rb, M4_RAND_SHIFT, M4V3_RAND_BITS, 23), 0, M4_BIAS)
-    cm = cm | torch.where(mb < 0, M4_SIGN, 0)
-    vb = _blocks(v, BLOCK4)
-    sv, inv = v4_scale(vb, prev_v_scale, beta2)
-    cv = v4_code(_normalized(vb, inv), rb)
-    cv = torch.where((vb > 0) & (cv == 0), torch.ones_like(cv), cv)
-    mv = (cm | (cv << 4)).reshape(-1)[:n].to(torch.uint8).view(m.shape)
-    return mv, sm, sv
+    cm, sm = _code_m4(mb, mb.abs(), rb)
+    cv, sv = _code_v4(_blocks(v, BLOCK4), rb, prev_v_scale, beta2)
+    return _pack4(cm, cv, m), sm, sv
 
 
 def dequantize_mv4_v3(mv: torch.Tensor, m_scale: torch.Tensor, v_scale: torch.Tensor):
     """fp32 (m, v) of 4-bit codes of format version 3 (read only, to convert checkpoints): ``m = +-2**(cm - 7) *
     m_scale``, ``v`` as in version 4."""
-    c = _blocks(mv.to(torch.int64), BLOCK4)
-    cm = c & 15
-    a = minifloat_value(cm & (M4_SIGN - 1), 0, M4_BIAS)
-    m = torch.where(cm >= M4_SIGN, -a, a) * m_scale.float()[:, None]
-    v = v4_value(c >> 4) * v_scale.float()[:, None]
-    n = mv.numel()
-    return m.reshape(-1)[:n].view(mv.shape), v.reshape(-1)[:n].view(mv.shape)
+    return _decode_mv4(mv, m_scale, v_scale, m_unit=False)
 
 
 # Format version 1 (read only, to convert checkpoints written before version 2): int8 m codes c in [-127, 127]

@@ -371,9 +371,9 @@ def v4_code(y, bits):
 def quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     """fp32 moments [R, 256] -> (uint8 4-bit codes of both [R, 256], m scale bits [2 * R], v scale bits [2 * R], both
     fp32): scales of 128-element blocks; bits 0-7 of the 32 random ``bits`` round ``m``, bits 8-23 round ``v``
-    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 4: ``m`` is coded as
-``|m| * 2**(15 - cv)``, after ``v``). ``vmax``: the
-    absmax bits of ``v``'s 128-element blocks [2 * R] (:func:`row_max_bits`); ``one``: [2 * R, 1], as in
+    (:func:`v4_code`), nonzero ``v`` never gets code 0 (``reference.quantize_mv4``, format version 4: ``m`` is coded
+    as ``|m| * 2**(15 - cv)``, after ``v``). ``vmax``: the absmax bits of ``v``'s 128-element blocks [2 * R]
+    (:func:`row_max_bits`); ``one``: [2 * R, 1], as in
     :func:`quant_m`; ``prev``: the fp32 ``v`` scales stored before this step [2 * R]; ``beta2``: the step's fp32 beta2.
     ``EVEN``: the launch is whole 256-element rows (masked rows hold zeros).
 
