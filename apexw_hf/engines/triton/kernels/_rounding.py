@@ -5,6 +5,8 @@ and the Triton interpreter truncates on ``.to(tl.bfloat16)``), so the result is 
 bf16 values travel as their 16 bits (``uint16``).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -18,6 +20,8 @@ STREAM_MUL = tl.constexpr(_random.STREAM_MUL)
 STREAM_MV = tl.constexpr(_random.STREAM_MV)
 STREAM_P = tl.constexpr(_random.STREAM_P)
 BF16_NAN = tl.constexpr(0x7FC0)
+# Triton's interpreter runs the kernels on CPU tensors (set before triton is imported)
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

@@ -10,7 +10,6 @@ copies: no host-device synchronization.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import torch
@@ -19,6 +18,7 @@ import triton
 from .... import formats
 from ...._random import mix32, tensor_key, to_int32
 from . import adamw
+from ._rounding import INTERPRETED
 from .adamw import NUM_ADDR_ROWS, WORK_GROUP, _adamw_kernel
 
 ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
@@ -32,7 +32,6 @@ ADDR_PARAM, ADDR_GRAD, ADDR_M, ADDR_V, ADDR_M_SCALE, ADDR_V_SCALE = (
 
 QBLOCK = 256  # a program's chunk is a multiple of this many elements (the 8-bit block)
 BLOCK_OF = {fmt: formats.SCALE_BLOCKS[fmt] for fmt in ("8bit", "4bit")}  # elements per block scale (stepped formats)
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The kernel's parameters after its 23 runtime arguments, in signature order: LaunchPlan.launch passes them
 # positionally to the compiled kernel, so the order is checked here once.
