@@ -402,7 +402,8 @@ def quant_mv4(m, v, vmax, mask, bits, one, prev, beta2, EVEN: tl.constexpr):
     vsb, vinv = v4_scale(vmax, prev, beta2)
     yv = tl.minimum(tl.maximum(v * vinv[:, None], 0.0), 1.0)
     cv = tl.maximum(v4_code(yv, bits), (v > after(vinv)).to(tl.int32)).to(tl.uint32)
-    a = tl.abs(m) * (M4_FACTOR_BITS - (cv << 23)).to(tl.float32, bitcast=True)  # |m| * 2**(15 - cv), exact
+    # |m| * 2**(15 - cv), exact (the constant on the right: the interpreter keeps constexpr - tensor a constexpr)
+    a = tl.abs(m) * (-(cv << 23) + M4_FACTOR_BITS).to(tl.float32, bitcast=True)
     msb, minv = block_scale_f32(a, mask, not EVEN)
     ym = tl.minimum(tl.maximum(a * minv[:, None], 0.0), 1.0)
     xm = (f32_bits(ym * TWO_POW_M120) << 5) + (((bits << W4_SHIFT) & M4_RAND_MASK) | (one * M4_HALF))
