@@ -87,7 +87,7 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # A cap changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with
 # caps).
 MAX_REGISTERS = {
-    ("4bit", torch.bfloat16, True, True, False): 64,
+    ("4bit", torch.bfloat16, True, True, False): 72,
     ("4bit", torch.float32, False, True, False): 64,
     ("8bit", torch.bfloat16, True, True, False): 64,
     ("8bit", torch.bfloat16, True, True, True): 64,
