@@ -78,12 +78,13 @@ MAXNREG_RANGE = range(24, 256)  # register caps ptxas accepts per thread (Launch
 # rounding (False for fp32 parameters), whole 256-element rows, per-tensor steps): LaunchPlan's maxnreg="auto". The
 # one-warp 1 x 256 tile is limited by registers: an SM holds at most 32 resident programs, and its 65,536 registers
 # give 32 one-warp programs only at <= 64 registers per thread (28 at 72, 25 at 80). 4-bit state with bf16 parameters
-# rounded stochastically takes about 71 registers (sm_90), with fp32 parameters about 72: capped at 64 (no spill, or
-# 2 bytes with fp32 parameters) it runs 1-2% faster than uncapped on large tensors and on the LoRA set; a cap of 60
-# spills more and is slower, 68 and 72 are no faster than none (the measurements are in the results ledger).
-# 8-bit state with bf16 parameters rounded stochastically takes 74 registers with the non-finite check (70 without):
-# capped at 64 it needs 63 and no spill, and steps 3-4% faster on 4 x 8192^2 and on Llama-3.2-1B shapes (one H100,
-# the same process); with fp32 parameters (72) a cap of 64 spills and is 2% slower.
+# rounded stochastically takes 78 registers uncapped (sm_90), with fp32 parameters about 72. Capped at 72 (16 bytes of
+# spill) the bf16 kernel runs 1.5-3.5% faster than at 64 (32 bytes) and 3% faster than uncapped on 4 x 8192^2 and
+# Llama-3.2-1B shapes (one H100, interleaved rounds; 68 lies between); the fp32 kernel at 64 (32 bytes of spill) runs
+# 4% faster than uncapped and 1.3-1.6% faster than at 72. The release clip's variant (grad_scale) spills the same.
+# 8-bit state with bf16 parameters rounded stochastically takes 70 registers with the non-finite check: capped at 64
+# it needs 62 and no spill, and steps 3-7% faster on 4 x 8192^2 and on Llama-3.2-1B shapes (one H100, the same
+# process); with fp32 parameters a cap of 64 spills and is 2% slower.
 # A cap changes register allocation only, never a result (tests/kernels/test_adamw_kernel.py checks the bits with
 # caps).
 MAX_REGISTERS = {
